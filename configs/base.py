@@ -1,0 +1,118 @@
+"""The whole rl_jax config tree with defaults.
+
+Experiment files (configs/default.py, ...) start from `get_config()` here and change
+fields. Every field that exists is listed here; rl_jax/config.py rejects any other.
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "tiny_char"  # see rl_jax/model/presets.py
+  c.model.path = ""  # Hugging Face checkpoint directory; overrides the preset's weights
+  c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+  c.model.param_dtype = "float32"  # trainer master params
+
+  c.mesh = ml_collections.ConfigDict()
+  # colocated: sampler and trainer share every device (one GPU, a laptop).
+  c.mesh.colocated = False
+  # Split mode: sampler devices first, then trainer devices; 4 + 4 of 8 here.
+  c.mesh.sampler = ml_collections.ConfigDict(dict(data=4, tensor=1))
+  c.mesh.trainer = ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=2))
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.max_concurrent_decodes = 64  # decode slots
+  c.sampler.page_size = 16  # tokens per KV page
+  c.sampler.num_pages = 0  # 0: derive from kv_cache_bytes
+  c.sampler.kv_cache_bytes = 64 * 2**20  # KV budget per sampler replica
+  c.sampler.max_prefill_length = 64
+  c.sampler.max_new_tokens = 32
+  c.sampler.temperature = 1.0
+  c.sampler.top_k = 0  # 0: off
+  c.sampler.top_p = 1.0
+  c.sampler.dtype = "float32"  # sampler weight / KV dtype
+  c.sampler.steps_per_call = 1  # decode steps per host round trip
+
+  c.trainer = ml_collections.ConfigDict()
+  c.trainer.learning_rate = 1e-4
+  c.trainer.schedule = "constant"  # constant | cosine
+  c.trainer.warmup_steps = 0
+  c.trainer.weight_decay = 0.0
+  c.trainer.b1 = 0.9
+  c.trainer.b2 = 0.99
+  c.trainer.grad_clip = 1.0
+  c.trainer.micro_batch_size = 0  # rollouts per micro-batch; 0: whole batch at once
+  c.trainer.num_minibatches = 1  # optimizer updates per batch
+  c.trainer.length_buckets = (64, 128, 256, 512, 1024, 2048, 4096)
+  c.trainer.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  c.trainer.eps_low = 0.2
+  c.trainer.eps_high = 0.28
+  c.trainer.tis_cap = 2.0  # truncated importance weight cap C; 0: off
+  c.trainer.ratio_level = "token"  # token | sequence (GSPO)
+  c.trainer.std_normalize = True  # GRPO; False: Dr. GRPO
+  c.trainer.kl_beta = 0.0  # 0 skips the reference forward
+  c.trainer.kl_estimator = "k3"  # k1 | k3
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.mode = "async"  # sync | async
+  c.rl.total_steps = 100  # optimizer steps
+  c.rl.groups_per_step = 16  # prompts per optimizer step
+  c.rl.group_size = 8  # G completions per prompt
+  c.rl.max_staleness = 2  # policy versions; staleness = trainer_version - min(token_versions)
+  c.rl.max_inflight_groups = -1  # -1: (max_staleness + 1) * groups_per_step
+  c.rl.queue_maxsize = 64  # eligible groups
+  c.rl.weight_sync_every = 1  # optimizer steps between publications
+  c.rl.inflight_weight_updates = True
+  c.rl.eval_every = 10  # optimizer steps between held-out evaluations; 0: only at start/end
+  c.rl.verifier_patience_s = 60.0  # give up when no group verifies for this long
+
+  c.warmstart = ml_collections.ConfigDict()
+  c.warmstart.steps = 0  # supervised steps on generated demonstrations before RL
+  c.warmstart.batch_size = 64
+  c.warmstart.learning_rate = 1e-3
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "arithmetic"  # arithmetic | countdown | gsm8k | jsonl
+  c.task.path = ""  # data file for gsm8k / jsonl
+  c.task.matcher = "numeric"  # jsonl: exact | numeric | regex
+  c.task.digits = 2
+  c.task.num_terms = 2
+  c.task.operators = "+"
+  c.task.format_reward = 0.0  # weight of the optional format reward
+  c.task.heldout_size = 256
+  c.task.heldout_fraction = 0.1  # hash-based share of prompts kept for held-out
+
+  c.verifier = ml_collections.ConfigDict()
+  c.verifier.backend = "threads"  # threads | processes
+  c.verifier.workers = 8
+  c.verifier.timeout_s = 5.0
+  c.verifier.retries = 1
+  c.verifier.latency = "none"  # none | fixed | lognormal | pareto | empirical
+  c.verifier.latency_mean_s = 0.0
+  c.verifier.latency_sigma = 1.0  # lognormal sigma
+  c.verifier.latency_alpha = 1.5  # pareto shape
+  c.verifier.latency_file = ""  # empirical: one latency in seconds per line
+  c.verifier.failure_prob = 0.0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.shuffle = True
+  c.data.num_epochs = 0  # 0: repeat forever
+  c.data.max_prompt_length = 64  # tokens
+  c.data.on_long_prompt = "truncate"  # truncate | drop
+  c.data.on_bad_line = "skip"  # skip | fail
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 0  # optimizer steps; 0: off
+  c.checkpoint.keep = 3
+  c.checkpoint.keep_best = False
+  c.checkpoint.async_save = True
+
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.log_every = 1
+  c.metrics.tensorboard = True
+  c.metrics.console = True
+  return c

@@ -1,0 +1,125 @@
+"""Config loading, overrides and validation: every user mistake is one ConfigError sentence."""
+import os
+
+import pytest
+
+from rl_jax import config as config_lib
+from rl_jax.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT = os.path.join(ROOT, "configs", "default.py")
+
+
+def load(*overrides, spec=DEFAULT):
+  cfg, rest = config_lib.parse_args(["--config", spec, *overrides])
+  return cfg, rest
+
+
+def test_default_loads_and_validates():
+  cfg, rest = load("--workdir", "/tmp/x")
+  assert rest == ["--workdir", "/tmp/x"]
+  assert cfg.rl.mode == "async"
+  config_lib.validate(cfg, num_devices=8)
+
+
+def test_variant_and_overrides():
+  cfg, _ = load("--config.rl.max_staleness=3", "--config.trainer.learning_rate", "3e-4",
+                "--config.rl.inflight_weight_updates=false", "--config.trainer.length_buckets=(128,256)",
+                spec=DEFAULT + ":mode=sync")
+  assert cfg.rl.mode == "sync"
+  assert cfg.rl.max_staleness == 3
+  assert cfg.trainer.learning_rate == pytest.approx(3e-4)
+  assert cfg.rl.inflight_weight_updates is False
+  assert cfg.trainer.length_buckets == (128, 256)
+  # an int given for a float field is accepted as a float
+  cfg, _ = load("--config.trainer.learning_rate=1")
+  assert isinstance(cfg.trainer.learning_rate, float)
+
+
+def test_sync_baseline_is_default_in_sync_mode():
+  cfg, _ = load(spec=os.path.join(ROOT, "configs", "sync_baseline.py"))
+  base, _ = load()
+  assert cfg.rl.mode == "sync"
+  cfg.rl.mode = "async"
+  assert cfg.to_dict() == base.to_dict()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--config.rl.max_stalenes=2"], ["rl.max_stalenes", "max_staleness"]),
+    (["--config.nope.x=1"], ["nope"]),
+    (["--config.rl.max_staleness=two"], ["rl.max_staleness", "int"]),
+    (["--config.rl.inflight_weight_updates=maybe"], ["rl.inflight_weight_updates", "true or false"]),
+    (["--config.rl=3"], ["group of fields"]),
+])
+def test_bad_overrides(args, words):
+  with pytest.raises(ConfigError) as e:
+    load(*args)
+  msg = str(e.value)
+  assert "\n" not in msg
+  for w in words:
+    assert w in msg
+
+
+def test_bad_file_and_variant(tmp_path):
+  with pytest.raises(ConfigError, match="does not exist"):
+    load(spec=str(tmp_path / "missing.py"))
+  with pytest.raises(ConfigError, match="unknown variant 'colour'"):
+    load(spec=DEFAULT + ":colour=red")
+  bad = tmp_path / "bad.py"
+  bad.write_text("from configs import base\n"
+                 "def get_config(arg=None):\n"
+                 "  c = base.get_config()\n"
+                 "  c.rl.stalenes = 2\n"
+                 "  return c\n")
+  with pytest.raises(ConfigError, match="unknown config field 'rl.stalenes'"):
+    load(spec=str(bad))
+  wrong_type = tmp_path / "wrong.py"
+  wrong_type.write_text("from configs import base\n"
+                        "def get_config(arg=None):\n"
+                        "  c = base.get_config()\n"
+                        "  c.rl.mode = 3\n"
+                        "  return c\n")
+  with pytest.raises(ConfigError, match=r"get_config\(\) failed: .*'mode'.*cannot be cast"):
+    load(spec=str(wrong_type))
+  syntax = tmp_path / "syntax.py"
+  syntax.write_text("def get_config(arg=None):\n  return (\n")
+  with pytest.raises(ConfigError, match=r"syntax.py:\d+: syntax error"):
+    load(spec=str(syntax))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("rl.max_staleness", -1, ["rl.max_staleness", ">= 0"]),
+    ("rl.mode", "fast", ["rl.mode", "'sync', 'async'"]),
+    ("rl.group_size", 1, ["rl.group_size"]),
+    ("mesh.sampler.data", 8, ["mesh", "12 devices", "8 exist"]),
+    ("rl.groups_per_step", 3, ["divide", "data x fsdp = 2"]),
+    ("rl.max_inflight_groups", 4, ["rl.max_inflight_groups", "rl.groups_per_step"]),
+    ("sampler.top_p", 0.0, ["sampler.top_p"]),
+    ("trainer.loss_agg", "sum", ["trainer.loss_agg", "token_mean"]),
+    ("trainer.length_buckets", (8, 16), ["trainer.length_buckets", "max_prompt_length"]),
+    ("verifier.failure_prob", 1.5, ["verifier.failure_prob"]),
+    ("sampler.max_concurrent_decodes", 6, ["sampler.max_concurrent_decodes", "4"]),
+])
+def test_validation_errors(field, value, words):
+  cfg, _ = load()
+  group, key = field.rsplit(".", 1)
+  node = cfg
+  for p in group.split("."):
+    node = node[p]
+  with node.ignore_type():
+    node[key] = value
+  if field == "rl.groups_per_step":
+    cfg.rl.group_size = 3  # 3 x 3 = 9 rollouts over 2 data-parallel trainer devices
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg, num_devices=8)
+  msg = str(e.value)
+  assert "\n" not in msg
+  for w in words:
+    assert w in msg, msg
+
+
+def test_colocated_single_device():
+  cfg, _ = load("--config.mesh.colocated=true", "--config.mesh.sampler.data=1",
+                "--config.mesh.trainer.fsdp=1", "--config.mesh.trainer.tensor=1")
+  config_lib.validate(cfg, num_devices=1)
+  assert config_lib.max_inflight_groups(cfg) == (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step
