@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 
+
+# A static pytree (no leaves): jax.jit / eval_shape / grad accept it as an ordinary
+# argument and key their caches on its value.
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Decoder-only transformer shape (Llama 3 / Qwen2 family).

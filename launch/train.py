@@ -1,0 +1,37 @@
+"""Train a policy with synchronous or asynchronous GRPO.
+
+  python launch/train.py --config configs/default.py [--workdir runs/x] [--config.rl.mode=sync]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rl_jax import config as config_lib  # noqa: E402  (imports no jax)
+
+
+def main(argv):
+  try:
+    cfg, rest = config_lib.parse_args(argv, default_config=None)
+  except config_lib.ConfigError as e:
+    sys.exit(f"error: {e}")
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--workdir", default="runs/default")
+  args = parser.parse_args(rest)
+  from rl_jax.orchestration import runtime
+  runtime.prepare_host_devices(cfg)  # before jax initialises: CPU runs get fake devices
+  try:
+    from rl_jax.orchestration import loop
+    summary = loop.run(cfg, args.workdir)
+  except (config_lib.ConfigError, loop.RunError) as e:
+    sys.exit(f"error: {e}")
+  except KeyboardInterrupt:
+    sys.exit("interrupted")
+  print(f"done: held-out reward {summary['heldout_reward_initial']:.3f} -> "
+        f"{summary['heldout_reward_final']:.3f} in {summary['wall_time_s']:.0f}s; "
+        f"summary in {os.path.join(args.workdir, 'summary.json')}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

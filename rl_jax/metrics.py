@@ -1,0 +1,130 @@
+"""Metric names, writers (JSONL + TensorBoard) and the console progress line.
+
+Names are flat and prefixed by area, following the seed's monitoring table:
+
+  sampler/*      tokens_per_s, rollouts_per_s, active_slots, kv_pages_used, busy_frac
+  lengths/*      p50, p90, p95, p99 completion length, truncation_rate
+  latency/*      rollout_p50/p95/p99 (admission -> finished), verifier_p50/p95/p99
+  queue/*        depth, enqueue_rate, dequeue_rate, oldest_age_s, inflight_groups
+  staleness/*    mean, max, hist_<k> (accepted groups by staleness k), accepted,
+                 discarded, discarded_v<version> (discards by behaviour version)
+  weight_sync/*  duration_s, bytes, lag_s (publish -> first sampler step on it), version
+  policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...
+  optim/*        loss, pg_loss, grad_norm, update_norm, skipped_nonfinite, learning_rate
+  reward/*       train (mean over the trained batch), heldout (greedy, fixed held-out set)
+  cost/*         sampler_device_s, trainer_device_s, reward_gain_per_device_hour
+
+Staleness of a rollout at consumption = trainer_version - min(token_versions), in
+published policy versions; a group's staleness is the max over its rollouts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+DESCRIPTIONS = {
+    "staleness": "trainer_version - min(token_versions) at consumption, in published versions; "
+                 "group staleness = max over its rollouts",
+    "weight_sync/lag_s": "seconds from publication to the first sampler step using that version",
+    "reward/heldout": "mean correctness reward of greedy completions on the fixed held-out set",
+}
+
+
+def percentiles(values, qs=(50, 90, 95, 99)) -> dict[str, float]:
+  if len(values) == 0:
+    return {f"p{q}": 0.0 for q in qs}
+  arr = np.asarray(values, np.float64)
+  return {f"p{q}": float(np.percentile(arr, q)) for q in qs}
+
+
+def _clean(v: Any):
+  if isinstance(v, (np.floating, np.integer)):
+    v = v.item()
+  if isinstance(v, float) and not math.isfinite(v):
+    return None
+  return v
+
+
+class MetricWriter:
+  """Writes one JSON line per step to `<workdir>/metrics.jsonl`, and TensorBoard scalars.
+
+  Only the main process writes (process 0); other processes get a no-op writer.
+  """
+
+  def __init__(self, workdir: str, tensorboard: bool = True, enabled: bool = True):
+    self.enabled = enabled
+    self._tb = None
+    self._f = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._f = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      except ImportError:
+        self._tb = None
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
+    self._f.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, step)
+
+  def close(self) -> None:
+    if self._f is not None:
+      self._f.close()
+      self._f = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+
+def read_jsonl(path: str) -> list[dict]:
+  rows = []
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        rows.append(json.loads(line))
+  return rows
+
+
+class Console:
+  """One progress line per logged step: step, versions, rewards, queue, staleness, rates."""
+
+  def __init__(self, enabled: bool = True, stream=None):
+    self.enabled = enabled
+    self.stream = stream or sys.stdout
+    self._t0 = time.time()
+
+  def line(self, m: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
+    def g(k, fmt="{:.3g}"):
+      v = m.get(k)
+      return "-" if v is None else fmt.format(v)
+    text = (f"[{time.time() - self._t0:7.1f}s] step {g('step', '{:d}')} "
+            f"v{g('weight_sync/version', '{:d}')} "
+            f"loss {g('optim/loss')} reward {g('reward/train', '{:.3f}')} "
+            f"heldout {g('reward/heldout', '{:.3f}')} "
+            f"queue {g('queue/depth', '{:d}')} inflight {g('queue/inflight_groups', '{:d}')} "
+            f"stale {g('staleness/mean', '{:.2f}')} (disc {g('staleness/discarded', '{:d}')}) "
+            f"samp {g('sampler/tokens_per_s', '{:.0f}')} tok/s "
+            f"train {g('trainer/tokens_per_s', '{:.0f}')} tok/s")
+    print(text, file=self.stream, flush=True)
+
+  def message(self, text: str) -> None:
+    if self.enabled:
+      print(f"[{time.time() - self._t0:7.1f}s] {text}", file=self.stream, flush=True)

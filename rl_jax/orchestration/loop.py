@@ -1,0 +1,501 @@
+"""Synchronous and asynchronous GRPO on one code path.
+
+Threads: the sampler thread admits groups and steps the generator; verifier workers
+score finished rollouts and put complete groups on the bounded queue; the trainer (the
+calling thread) consumes groups, trains, and publishes weights.
+
+  sync:  the sampler admits exactly `groups_per_step` groups per policy version and then
+         waits for the next publication (the barrier); every trained token is on-policy.
+  async: the sampler admits while in-flight + queued groups <= max_inflight_groups
+         (default (max_staleness + 1) * groups_per_step) and the queue has room; the
+         trainer discards groups whose staleness exceeds max_staleness; new weights reach
+         running sequences between decode steps when inflight_weight_updates is on.
+
+Staleness of a group at consumption = trainer_version - min over its tokens' versions.
+Held-out evaluation pauses the sampler and the clock, so wall_time_s compares modes on
+the pipeline alone.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from rl_jax import config as config_lib
+from rl_jax import metrics as metrics_lib
+from rl_jax.types import Group
+from rl_jax.orchestration.rollout_queue import RolloutQueue
+
+
+class RunError(RuntimeError):
+  """A run that cannot continue: one sentence for the user."""
+
+
+class _Clock:
+  """Wall clock that can be paused (held-out evaluation is not pipeline time)."""
+
+  def __init__(self):
+    self._start = time.perf_counter()
+    self._paused_total = 0.0
+    self._paused_at = None
+
+  def pause(self):
+    self._paused_at = time.perf_counter()
+
+  def resume(self):
+    self._paused_total += time.perf_counter() - self._paused_at
+    self._paused_at = None
+
+  def now(self) -> float:
+    t = self._paused_at if self._paused_at is not None else time.perf_counter()
+    return t - self._start - self._paused_total
+
+
+class BusyTimer:
+  """Accumulates busy seconds of one role; the fraction is busy / pipeline wall time."""
+
+  def __init__(self):
+    self.busy_s = 0.0
+    self.intervals: list[tuple[float, float]] = []
+
+  def add(self, start: float, end: float):
+    self.busy_s += end - start
+    if len(self.intervals) < 20000:
+      self.intervals.append((start, end))
+
+
+class Pipeline:
+  """Builds every part from a validated config and runs the chosen mode."""
+
+  def __init__(self, cfg, workdir: str):
+    import jax
+    from rl_jax import model as model_lib
+    from rl_jax import sharding
+    from rl_jax.data import prompts as prompts_lib
+    from rl_jax.sampler.generator import Generator
+    from rl_jax.tasks import make_task
+    from rl_jax.tasks.verifier_pool import VerifierPool
+    from rl_jax.trainer.train_step import Trainer
+    from rl_jax.orchestration.weight_sync import WeightSync
+
+    self.cfg = cfg
+    self.workdir = workdir
+    self.mode = cfg.rl.mode
+    self.sync = self.mode == "sync"
+    self.meshes = sharding.make_meshes(cfg.mesh)
+    if cfg.model.path:
+      model_cfg, init_params = model_lib.from_pretrained(cfg.model.path)
+      model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    else:
+      model_cfg = model_lib.get_preset(cfg.model.preset).replace(
+          dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+      init_params = None
+    self.model_cfg = model_cfg
+    self.tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
+    self.task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
+    self.prompts = prompts_lib.make_prompt_source(
+        self.task, cfg.data, self.tokenizer, seed=cfg.seed,
+        process_index=jax.process_index(), process_count=jax.process_count())
+    self.heldout = self.task.heldout_examples()
+
+    self.trainer = Trainer(model_cfg, cfg.trainer, self.meshes.trainer,
+                           total_steps=cfg.rl.total_steps)
+    rng = jax.random.PRNGKey(cfg.seed)
+    self.state = self.trainer.init_state(params=init_params, rng=rng)
+    self.weight_sync = WeightSync(
+        logical_axes=model_lib.param_logical_axes(model_cfg),
+        param_shapes=jax.eval_shape(lambda: self.state.params),
+        trainer_shardings=self.trainer.param_shardings,
+        sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
+        colocated=self.meshes.colocated)
+    sampler_model_cfg = model_cfg.replace(dtype=cfg.sampler.dtype)
+    self.generator = Generator(
+        sampler_model_cfg, cfg.sampler, self.meshes.sampler, self.tokenizer,
+        inflight_weight_updates=cfg.rl.inflight_weight_updates, seed=cfg.seed)
+    # The held-out evaluator has its own decode state so evaluation never disturbs the
+    # sequences the RL sampler has in flight.
+    self.evaluator = Generator(
+        sampler_model_cfg, cfg.sampler, self.meshes.sampler, self.tokenizer,
+        inflight_weight_updates=True, seed=cfg.seed + 1)
+    self.pool = VerifierPool(self.task, cfg.verifier, seed=cfg.seed)
+
+    max_inflight = config_lib.max_inflight_groups(cfg)
+    if self.sync:
+      max_inflight = cfg.rl.groups_per_step
+    self.queue = RolloutQueue(cfg.rl.queue_maxsize, max_inflight)
+    self.writer = metrics_lib.MetricWriter(workdir, cfg.metrics.tensorboard,
+                                           enabled=jax.process_index() == 0)
+    self.console = metrics_lib.Console(cfg.metrics.console and jax.process_index() == 0)
+
+    self.version = 0  # trainer-owned policy version
+    self._published_at: dict[int, float] = {}
+    self._lock = threading.Lock()  # guards the counters below, never held across device work
+    self._stop = threading.Event()
+    self._pause = threading.Event()
+    self._paused = threading.Event()
+    self._error: BaseException | None = None
+    self._admitted_for_version: collections.Counter = collections.Counter()
+    self._groups: dict[int, Group] = {}
+    self._next_group_id = 0
+    self.clock = _Clock()
+    self.sampler_busy = BusyTimer()
+    self.trainer_busy = BusyTimer()
+    self.counts = collections.Counter()
+    self.staleness_hist: collections.Counter = collections.Counter()
+    self.discarded_by_version: collections.Counter = collections.Counter()
+    self.finished_rollouts: list = []  # since the last log line
+    self.verifier_latencies: list[float] = []
+    self.sampler_tokens = 0
+    self.trainer_tokens = 0
+    self.sync_durations: list[float] = []
+    self.sync_lags: list[float] = []
+    self.timeline: list[dict] = []
+    self.last_verified = time.time()
+
+  def _publish(self, params, version: int) -> None:
+    sampler_params, stats = self.weight_sync.transfer(params, version)
+    with self._lock:
+      self._published_at[version] = time.time()
+    self.generator.update_params(sampler_params, version)
+    self.sync_durations.append(stats.duration_s)
+    self.last_sync = stats
+
+  def _sampler_loop(self) -> None:
+    try:
+      gen = self.generator
+      last_version = -1
+      while not self._stop.is_set():
+        if self._pause.is_set():
+          self._paused.set()
+          while self._pause.is_set() and not self._stop.is_set():
+            time.sleep(0.005)
+          self._paused.clear()
+          continue
+        self._admit()
+        if gen.num_active == 0 and gen.num_pending == 0:
+          self.queue.wait_changed(0.01)
+          continue
+        t0 = self.clock.now()
+        finished = gen.step()
+        self.sampler_busy.add(t0, self.clock.now())
+        v = gen.version
+        if v != last_version:
+          with self._lock:
+            published = self._published_at.get(v)
+          if published is not None:
+            self.sync_lags.append(time.time() - published)
+          last_version = v
+        for r in finished:
+          self._on_rollout_finished(r)
+    except BaseException as e:  # surfaced to the trainer thread, which stops the run
+      self._fail(e)
+
+  def _admit(self) -> None:
+    cfg = self.cfg
+    gen = self.generator
+    while gen.has_capacity() and self.queue.can_admit():
+      if self.sync:
+        # The barrier: a version gets exactly groups_per_step groups.
+        v = gen.version
+        if self._admitted_for_version[v] >= cfg.rl.groups_per_step or v != self.version:
+          return
+        self._admitted_for_version[v] += 1
+      record = next(self.prompts)
+      gid = self._next_group_id
+      self._next_group_id += 1
+      example = self.task.example(int(record["index"]))
+      now = time.time()
+      group = Group(group_id=gid, example=example,
+                    prompt_tokens=np.asarray(record["prompt_tokens"], np.int32), admitted=now)
+      with self._lock:
+        self._groups[gid] = group
+      self.queue.admitted()
+      gen.add_group(gid, group.prompt_tokens, cfg.rl.group_size,
+                    seed=cfg.seed * 1_000_003 + gid)
+      self.counts["groups_admitted"] += 1
+
+  def _on_rollout_finished(self, r) -> None:
+    with self._lock:
+      group = self._groups[r.group_id]
+      group.rollouts.append(r)
+      self.finished_rollouts.append(r)
+      self.counts["rollouts_generated"] += 1
+      self.sampler_tokens += r.num_tokens
+    r.completion_text = self.tokenizer.decode(r.completion_tokens)
+    self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,
+                     callback=self._on_verified)
+
+  def _on_verified(self, key, result) -> None:
+    gid, idx = key
+    with self._lock:
+      group = self._groups.get(gid)
+      if group is None:
+        return
+      r = next(x for x in group.rollouts if x.sample_index == idx)
+      r.reward = float(result.reward.score)
+      r.reward_info = dict(result.reward.components)
+      r.verifier_status = result.status
+      r.verified = result.t_finished
+      self.verifier_latencies.append(result.latency_s)
+      self.counts[f"verifier_{result.status}"] += 1
+      self.last_verified = time.time()
+      complete = (len(group.rollouts) == self.cfg.rl.group_size and
+                  all(x.verifier_status != "pending" for x in group.rollouts))
+      if complete:
+        del self._groups[gid]
+    if complete:
+      group.rollouts.sort(key=lambda x: x.sample_index)
+      for x in group.rollouts:
+        x.enqueued = time.time()
+      self.queue.put(group)
+
+  def _fail(self, e: BaseException) -> None:
+    with self._lock:
+      if self._error is None:
+        self._error = e
+    self._stop.set()
+    self.queue.close()
+
+  def _check(self) -> None:
+    if self._error is not None:
+      e = self._error
+      if isinstance(e, (RunError, config_lib.ConfigError)):
+        raise e
+      detail = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1]
+      raise RunError(f"a worker thread failed: {detail}") from e
+
+  def _next_batch(self) -> list[Group]:
+    """Pulls eligible groups, discarding those past the staleness bound."""
+    cfg = self.cfg
+    batch: list[Group] = []
+    bound = 0 if self.sync else cfg.rl.max_staleness
+    while len(batch) < cfg.rl.groups_per_step:
+      self._check()
+      group = self.queue.get(timeout=0.2)
+      if group is None:
+        if time.time() - self.last_verified > cfg.rl.verifier_patience_s:
+          raise RunError(
+              f"no group was verified for {cfg.rl.verifier_patience_s:.0f}s "
+              f"(rl.verifier_patience_s); verifier statuses so far: "
+              f"{ {k[9:]: v for k, v in self.counts.items() if k.startswith('verifier_')} }")
+        continue
+      s = group.staleness(self.version)
+      if s > bound:
+        self.counts["groups_discarded_stale"] += 1
+        self.counts["rollouts_discarded_stale"] += len(group.rollouts)
+        self.discarded_by_version[min(r.min_version for r in group.rollouts)] += 1
+        continue
+      self.staleness_hist[s] += 1
+      batch.append(group)
+    self._batch_staleness = [g.staleness(self.version) for g in batch]
+    return batch
+
+  def evaluate(self) -> float:
+    """Greedy held-out reward with the current trainer params; pauses the sampler."""
+    from rl_jax.tasks import evaluate as evaluate_task
+    self.clock.pause()
+    self._pause.set()
+    while self._sampler_thread is not None and self._sampler_thread.is_alive() \
+        and not self._paused.is_set() and not self._stop.is_set():
+      time.sleep(0.002)
+    try:
+      params, _ = self.weight_sync.transfer(self.state.params, self.version)
+      self.evaluator.update_params(params, self.version)
+      prompts = [np.asarray(self.tokenizer.encode(e.prompt, add_bos=True), np.int32)
+                 for e in self.heldout]
+      completions = self.evaluator.generate(prompts, greedy=True,
+                                            max_new_tokens=self.cfg.sampler.max_new_tokens)
+      texts = [self.tokenizer.decode(c) for c in completions]
+      result = evaluate_task(self.task, self.heldout, texts)
+    finally:
+      self._pause.clear()
+      self.clock.resume()
+    return float(result["reward_mean"])
+
+  def warmstart(self) -> None:
+    from rl_jax.trainer.train_step import make_sft_batch
+    w = self.cfg.warmstart
+    if w.steps <= 0:
+      return
+    rng = np.random.default_rng(self.cfg.seed + 7)
+    n = self.task.num_train
+    for step in range(w.steps):
+      idx = rng.integers(0, n, size=w.batch_size)
+      examples = [self.task.example(int(i)) for i in idx]
+      prompts = [self.tokenizer.encode(e.prompt, add_bos=True) for e in examples]
+      completions = [self.tokenizer.encode(self.task.demonstration(e)) + [self.tokenizer.eos_id]
+                     for e in examples]
+      batch = make_sft_batch(prompts, completions, pad_id=self.tokenizer.pad_id,
+                             length_buckets=self.cfg.trainer.length_buckets,
+                             dp_size=self.meshes.trainer_dp)
+      self.state, m = self.trainer.sft_step(self.state, batch, learning_rate=w.learning_rate)
+      if step % 50 == 0 or step == w.steps - 1:
+        self.console.message(f"warm-up step {step}: loss {m['loss']:.3f}")
+
+  def run(self) -> dict:
+    from rl_jax.trainer.train_step import make_train_batch
+    cfg = self.cfg
+    self._sampler_thread = None
+    self.warmstart()
+    self._publish(self.state.params, self.version)
+    heldout_initial = self.evaluate()
+    self.console.message(f"{self.mode} GRPO: held-out reward at start {heldout_initial:.3f}")
+    self.clock = _Clock()
+    curve = [[0.0, 0, heldout_initial]]
+    self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler", daemon=True)
+    self._sampler_thread.start()
+    step = 0
+    heldout = heldout_initial
+    last_log_t = self.clock.now()
+    last_log_tokens = (0, 0)
+    try:
+      while step < cfg.rl.total_steps:
+        groups = self._next_batch()
+        t0 = self.clock.now()
+        batch = make_train_batch(groups, pad_id=self.tokenizer.pad_id,
+                                 length_buckets=cfg.trainer.length_buckets,
+                                 std_normalize=cfg.trainer.std_normalize,
+                                 dp_size=self.meshes.trainer_dp)
+        self.state, tm = self.trainer.step(self.state, batch)
+        step += 1
+        trained = sum(len(g.rollouts) for g in groups)
+        self.counts["rollouts_trained"] += trained
+        self.trainer_tokens += int(tm.get("tokens", 0))
+        if step % cfg.rl.weight_sync_every == 0:
+          self.version += 1
+          self._publish(self.state.params, self.version)
+        self.trainer_busy.add(t0, self.clock.now())
+        if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step < cfg.rl.total_steps:
+          heldout = self.evaluate()
+          curve.append([self.clock.now(), step, heldout])
+        if step % cfg.metrics.log_every == 0 or step == cfg.rl.total_steps:
+          now = self.clock.now()
+          row = self._step_metrics(step, groups, tm, heldout, now - last_log_t, last_log_tokens)
+          last_log_t, last_log_tokens = now, (self.sampler_tokens, self.trainer_tokens)
+          self.writer.write(step, row)
+          self.console.line(row)
+      wall = self.clock.now()
+    finally:
+      self._stop.set()
+      self.queue.close()
+      if self._sampler_thread is not None:
+        self._sampler_thread.join(timeout=30)
+      self.pool.close()
+    self._check()
+    heldout_final = self.evaluate()
+    curve.append([wall, step, heldout_final])
+    summary = self._summary(wall, step, heldout_initial, heldout_final, curve)
+    self.writer.write(step, {"reward/heldout": heldout_final})
+    self.writer.close()
+    return summary
+
+  def _step_metrics(self, step, groups, tm, heldout, dt, last_tokens) -> dict:
+    with self._lock:
+      finished, self.finished_rollouts = self.finished_rollouts, []
+      vlat, self.verifier_latencies = self.verifier_latencies, []
+    lengths = [r.num_tokens for r in finished]
+    rollout_lat = [r.finished - r.admitted for r in finished if r.admitted]
+    q = self.queue.snapshot()
+    dt = max(dt, 1e-9)
+    row: dict[str, Any] = {
+        "time_s": self.clock.now(),
+        "sampler/tokens_per_s": (self.sampler_tokens - last_tokens[0]) / dt,
+        "sampler/rollouts_per_s": len(finished) / dt,
+        "sampler/active_slots": self.generator.num_active,
+        "sampler/kv_pages_used": self.generator.kv_pages_used,
+        "sampler/busy_frac": self.sampler_busy.busy_s / max(self.clock.now(), 1e-9),
+        "trainer/tokens_per_s": (self.trainer_tokens - last_tokens[1]) / dt,
+        "trainer/busy_frac": self.trainer_busy.busy_s / max(self.clock.now(), 1e-9),
+        "queue/depth": q["depth"], "queue/inflight_groups": q["inflight"],
+        "queue/enqueued_total": q["enqueued_total"], "queue/dequeued_total": q["dequeued_total"],
+        "queue/oldest_age_s": q["oldest_age_s"],
+        "weight_sync/version": self.version,
+        "weight_sync/duration_s": self.sync_durations[-1] if self.sync_durations else 0.0,
+        "weight_sync/bytes": self.weight_sync.bytes,
+        "weight_sync/lag_s": self.sync_lags[-1] if self.sync_lags else 0.0,
+        "reward/train": float(np.mean([r.reward for g in groups for r in g.rollouts])),
+        "reward/heldout": heldout,
+        "staleness/accepted": sum(self.staleness_hist.values()),
+        "staleness/discarded": self.counts["groups_discarded_stale"],
+        "cost/sampler_device_s": self.sampler_busy.busy_s * self.meshes.sampler.devices.size,
+        "cost/trainer_device_s": self.trainer_busy.busy_s * self.meshes.trainer.devices.size,
+    }
+    st = self._batch_staleness
+    row["staleness/mean"] = float(np.mean(st))
+    row["staleness/max"] = int(np.max(st))
+    for k, v in sorted(self.staleness_hist.items()):
+      row[f"staleness/hist_{k}"] = v
+    for v, n in sorted(self.discarded_by_version.items()):
+      row[f"staleness/discarded_v{v}"] = n
+    for k, v in metrics_lib.percentiles(lengths).items():
+      row[f"lengths/{k}"] = v
+    row["lengths/truncation_rate"] = (
+        float(np.mean([r.finish_reason == "length" for r in finished])) if finished else 0.0)
+    for k, v in metrics_lib.percentiles(rollout_lat, (50, 95, 99)).items():
+      row[f"latency/rollout_{k}"] = v
+    for k, v in metrics_lib.percentiles(vlat, (50, 95, 99)).items():
+      row[f"latency/verifier_{k}"] = v
+    policy_keys = ("kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_p1", "ratio_p50",
+                   "ratio_p99", "tis_weight_mean", "tis_truncated_frac",
+                   "behavior_prox_logp_gap")
+    for k, v in tm.items():
+      row[("policy/" if k in policy_keys else "optim/") + k] = v
+    return row
+
+  def _summary(self, wall, step, h0, h1, curve) -> dict:
+    device_hours = (self.sampler_busy.busy_s * self.meshes.sampler.devices.size +
+                    self.trainer_busy.busy_s * self.meshes.trainer.devices.size) / 3600
+    total_devices = len({d.id for d in self.meshes.sampler.devices.flat} |
+                        {d.id for d in self.meshes.trainer.devices.flat})
+    summary = {
+        "mode": self.mode,
+        "wall_time_s": wall,
+        "optimizer_steps": step,
+        "policy_version": self.version,
+        "heldout_reward_initial": h0,
+        "heldout_reward_final": h1,
+        "heldout_curve": curve,
+        "rollouts_generated": self.counts["rollouts_generated"],
+        "rollouts_trained": self.counts["rollouts_trained"],
+        "rollouts_discarded_stale": self.counts["rollouts_discarded_stale"],
+        "rollouts_in_flight_at_end": (self.counts["rollouts_generated"] -
+                                      self.counts["rollouts_trained"] -
+                                      self.counts["rollouts_discarded_stale"]),
+        "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+        "discarded_by_version": {str(k): v for k, v in sorted(self.discarded_by_version.items())},
+        "sampler_tokens_per_s": self.sampler_tokens / max(wall, 1e-9),
+        "trainer_tokens_per_s": self.trainer_tokens / max(wall, 1e-9),
+        "weight_sync_s_mean": float(np.mean(self.sync_durations)) if self.sync_durations else 0.0,
+        "weight_sync_lag_s_mean": float(np.mean(self.sync_lags)) if self.sync_lags else 0.0,
+        "sampler_busy_frac": self.sampler_busy.busy_s / max(wall, 1e-9),
+        "trainer_busy_frac": self.trainer_busy.busy_s / max(wall, 1e-9),
+        "verifier_status": {k[9:]: v for k, v in self.counts.items() if k.startswith("verifier_")},
+        "max_queue_depth": self.queue.max_depth_seen,
+        "device_hours": device_hours,
+        "reward_gain_per_device_hour": (h1 - h0) / device_hours if device_hours > 0 else 0.0,
+        "devices": total_devices,
+        "timeline": {"sampler": self.sampler_busy.intervals[-5000:],
+                     "trainer": self.trainer_busy.intervals[-5000:]},
+        "staleness_definition": metrics_lib.DESCRIPTIONS["staleness"],
+    }
+    if self.writer.enabled:
+      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def run(cfg, workdir: str) -> dict:
+  """Validates `cfg`, builds the pipeline and runs it; writes `<workdir>/summary.json`."""
+  from rl_jax import distributed
+  distributed.initialize()
+  config_lib.validate(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(cfg.to_json(indent=1))
+  return Pipeline(cfg, workdir).run()

@@ -1,0 +1,91 @@
+"""Number parsing and final-answer extraction shared by the verifiers.
+
+Numbers are compared as canonical decimal strings, never converted to int or float:
+a 100000-digit completion costs linear time and cannot hit Python's int-string limit.
+
+Canonical form: optional "-", integer digits without leading zeros (or "0"), then
+"." and fraction digits without trailing zeros if any remain. "+3.50", "$3.5", "03.5"
+-> "3.5"; "1,234" -> "1234"; "-0.0" -> "0".
+
+Only ASCII digits are digits. Other scripts' digits ("٤٦", fullwidth "４６") are not read
+as numbers, so a completion written in them scores 0 rather than being silently
+reinterpreted. The Unicode minus U+2212 is accepted as "-": it is a sign, not a digit.
+"""
+from __future__ import annotations
+
+import re
+
+# A number not glued to a preceding word or number: optional sign, optional "$",
+# digits with optional 3-digit comma groups, optional fraction. The lookahead requires
+# at least one digit so the pattern never matches the empty string.
+_NUMBER = re.compile(
+    r"(?<![0-9A-Za-z_.])(?P<sign>[-+]?)\$?(?=\.?[0-9])"
+    r"(?P<int>[0-9]+(?:,[0-9]{3})*)?(?:\.(?P<frac>[0-9]+))?\.?")
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+_BOXED = "\\boxed{"
+_HASHES = "####"
+
+
+def _canonical(sign: str, int_part: str | None, frac: str | None) -> str:
+  digits = (int_part or "").replace(",", "").lstrip("0") or "0"
+  frac = (frac or "").rstrip("0")
+  body = f"{digits}.{frac}" if frac else digits
+  return "-" + body if sign == "-" and body != "0" else body
+
+
+def _normalise(text: str) -> str:
+  return text.replace("\u2212", "-")
+
+
+def canonical_number(text: str) -> str | None:
+  """Canonical form of `text` if all of it (stripped) is one number, else None."""
+  m = _NUMBER.fullmatch(_normalise(text).strip())
+  return None if m is None else _canonical(m["sign"], m["int"], m["frac"])
+
+
+def canonical_integer(text: str) -> str | None:
+  """Canonical form of `text` if all of it (stripped) is one signed integer, else None.
+
+  "46", " 46\n", "+46", "046" -> "46"; "46 47", "4.6", "46." -> None.
+  """
+  text = _normalise(text).strip()
+  if _INTEGER.fullmatch(text) is None:
+    return None
+  return _canonical(text[0] if text[0] in "+-" else "", text.lstrip("+-"), None)
+
+
+def numbers_in(text: str) -> list[str]:
+  """Canonical forms of every number in text, in order."""
+  return [_canonical(m["sign"], m["int"], m["frac"])
+          for m in _NUMBER.finditer(_normalise(text))]
+
+
+def _first_number(segment: str) -> str | None:
+  m = _NUMBER.search(_normalise(segment))
+  return None if m is None else _canonical(m["sign"], m["int"], m["frac"])
+
+
+def extract_final_answer(text: str) -> tuple[str | None, str]:
+  """The completion's final answer as (canonical number or None, source).
+
+  source is "####" (first number after the last "####" on its line), "boxed" (first
+  number inside the last \\boxed{...}), whichever marker occurs later; "last_number"
+  when neither marker occurs; "none" when there is no number at all. A marker without a
+  number after it gives (None, marker): the model committed to a non-answer.
+  """
+  text = _normalise(text)
+  hashes, boxed = text.rfind(_HASHES), text.rfind(_BOXED)
+  if hashes > boxed:
+    line = text[hashes + len(_HASHES):].split("\n", 1)[0]
+    return _first_number(line), "####"
+  if boxed >= 0:
+    start = boxed + len(_BOXED)
+    end = text.find("}", start)
+    return _first_number(text[start:] if end < 0 else text[start:end]), "boxed"
+  # The last match of a linear regex scan; finditer keeps memory O(1).
+  last = None
+  for last in _NUMBER.finditer(text):
+    pass
+  if last is None:
+    return None, "none"
+  return _canonical(last["sign"], last["int"], last["frac"]), "last_number"

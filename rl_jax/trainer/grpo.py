@@ -1,0 +1,219 @@
+"""GRPO math: group advantages, clipped off-policy surrogate, KL, entropy.
+
+Shape letters:
+  n = groups (prompts), g = rollouts per group,
+  b = sequences (rows of a train batch), t = token positions, v = vocabulary.
+
+Position convention (shared with rl_jax.trainer.train_step): every per-token array
+`x_bt` is indexed by the *predicting* position, so `x_bt[:, t]` concerns token
+`tokens_bt[:, t + 1]`, whose distribution the model emits at position t. The last
+position predicts nothing and is always masked out.
+
+Policies: pi_theta is the policy being optimised, pi_prox the trainer's policy at the
+start of the step (decoupled PPO's proximal policy, no gradient), mu the behaviour
+policy that sampled the tokens (its log-probs come from the sampler), pi_ref a frozen
+reference for the KL penalty.
+
+Everything except `group_advantages` (host-side numpy, it feeds the batch builder) is
+jax and jit-safe. Positions outside the mask may hold any value, NaN included: they
+are removed with `where`, never by multiplication, so padding cannot poison a loss.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def group_advantages(*, rewards_ng: np.ndarray, std_normalize: bool,
+                     eps: float = 1e-6) -> tuple[np.ndarray, int]:
+  """Group-relative advantages and the number of zero-variance groups.
+
+  A_ng = r_ng - mean_g(r_ng)                          (Dr. GRPO, std_normalize=False)
+  A_ng = (r_ng - mean_g(r_ng)) / (std_g(r_ng) + eps)  (GRPO, std_normalize=True)
+
+  std is the population standard deviation (ddof=0), so a group of one is defined.
+  A group whose rewards are all equal carries no learning signal: its advantages
+  are exactly 0 (not the rounding residue of r - mean) and it is counted.
+  """
+  r_ng = np.asarray(rewards_ng, np.float64)
+  centred_ng = r_ng - r_ng.mean(axis=1, keepdims=True)
+  if std_normalize:
+    centred_ng = centred_ng / (r_ng.std(axis=1, keepdims=True) + eps)
+  zero_var_n = r_ng.max(axis=1) == r_ng.min(axis=1)
+  adv_ng = np.where(zero_var_n[:, None], 0.0, centred_ng).astype(np.float32)
+  return adv_ng, int(zero_var_n.sum())
+
+
+def token_logprobs(*, logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+  """logp_bt[:, t] = log softmax(logits_btv[:, t])[tokens_bt[:, t + 1]]; last column 0.
+
+  Computed as logit - logsumexp(logits) in float32 to avoid materialising a
+  second [b, t, v] log-softmax array.
+  """
+  logits_btv = logits_btv.astype(jnp.float32)
+  next_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
+  picked_bt = jnp.take_along_axis(logits_btv, next_bt[..., None], axis=-1)[..., 0]
+  logp_bt = picked_bt - jax.nn.logsumexp(logits_btv, axis=-1)
+  return logp_bt.at[:, -1].set(0.0)
+
+
+def token_entropy(*, logits_btv: jax.Array) -> jax.Array:
+  """H_bt = logsumexp(z) - sum_v softmax(z)_v z_v, the entropy of each next-token distribution."""
+  z_btv = logits_btv.astype(jnp.float32)
+  lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
+  return lse_bt - jnp.sum(jax.nn.softmax(z_btv, axis=-1) * z_btv, axis=-1)
+
+
+def loss_weights(*, mask_bt: jax.Array, loss_agg: str, max_len: int,
+                 num_tokens: jax.Array | None = None,
+                 num_seqs: jax.Array | None = None) -> jax.Array:
+  """Per-token weights W_bt such that the aggregated loss is sum_bt W_bt * x_bt.
+
+  With m_bt the mask, L_b = sum_t m_bt, N = sum_bt m_bt, S = #{b : L_b > 0}:
+    token_mean:               W_bt = m_bt / N
+    seq_mean_token_mean:      W_bt = m_bt / (L_b * S)
+    seq_mean_token_sum_norm:  W_bt = m_bt / (max_len * S)   (Dr. GRPO, max_len constant)
+
+  Expressing every mode as a weighted sum lets micro-batches add up to exactly the
+  full-batch loss: pass `num_tokens` / `num_seqs` counted over the full batch.
+  Rows without tokens (batch padding) get weight 0 and do not count in S.
+  """
+  m_bt = mask_bt.astype(jnp.float32)
+  len_b = m_bt.sum(axis=1)
+  if num_tokens is None:
+    num_tokens = m_bt.sum()
+  if num_seqs is None:
+    num_seqs = (len_b > 0).sum()
+  if loss_agg == "token_mean":
+    return m_bt / jnp.maximum(num_tokens, 1.0)
+  if loss_agg == "seq_mean_token_mean":
+    return m_bt / (jnp.maximum(len_b, 1.0)[:, None] * jnp.maximum(num_seqs, 1.0))
+  if loss_agg == "seq_mean_token_sum_norm":
+    return m_bt / (float(max_len) * jnp.maximum(num_seqs, 1.0))
+  raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+
+
+def masked_sum(*, x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
+  """sum_bt x_bt over masked-in positions (masked-out values, even NaN, are ignored)."""
+  return jnp.sum(jnp.where(mask_bt, x_bt, 0.0))
+
+
+def importance_ratio(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, mask_bt: jax.Array,
+                     ratio_level: Literal["token", "sequence"]) -> jax.Array:
+  """Ratio pi_theta / pi_prox per token.
+
+  token:     r_bt = exp(logp_bt - prox_bt)
+  sequence:  r_bt = exp(mean_{t in mask} (logp_bt - prox_bt)), the same for every
+             token of a row (GSPO's length-normalised sequence ratio).
+  Off-mask positions get ratio 1.
+  """
+  log_r_bt = jnp.where(mask_bt, logp_bt - prox_logp_bt, 0.0)
+  if ratio_level == "token":
+    return jnp.exp(log_r_bt)
+  if ratio_level == "sequence":
+    len_b = jnp.maximum(mask_bt.sum(axis=1), 1).astype(jnp.float32)
+    r_b = jnp.exp(log_r_bt.sum(axis=1) / len_b)
+    return jnp.where(mask_bt, r_b[:, None], 1.0)
+  raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+
+
+def tis_weight(*, prox_logp_bt: jax.Array, behavior_logp_bt: jax.Array,
+               cap: float) -> tuple[jax.Array, jax.Array]:
+  """Truncated importance weight w_bt = min(pi_prox / mu, C), and the truncated flag.
+
+  Corrects for tokens sampled by mu (stale weights, or a sampler whose numerics
+  differ from the trainer's). No gradient flows through it. cap = 0 turns it off
+  (w = 1, nothing truncated).
+  """
+  raw_bt = jnp.exp(jax.lax.stop_gradient(prox_logp_bt - behavior_logp_bt))
+  if cap <= 0:
+    return jnp.ones_like(raw_bt), jnp.zeros(raw_bt.shape, bool)
+  return jnp.minimum(raw_bt, cap), raw_bt > cap
+
+
+def clipped_surrogate(*, ratio_bt: jax.Array, adv_b: jax.Array, eps_low: float,
+                      eps_high: float) -> jax.Array:
+  """PPO objective per token (to be maximised), with clip-higher:
+
+  s_bt = min(r_bt A_b, clip(r_bt, 1 - eps_low, 1 + eps_high) A_b)
+  """
+  adv_bt = adv_b[:, None]
+  clipped_bt = jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high)
+  return jnp.minimum(ratio_bt * adv_bt, clipped_bt * adv_bt)
+
+
+def kl_penalty(*, logp_bt: jax.Array, ref_logp_bt: jax.Array,
+               estimator: Literal["k1", "k3"]) -> jax.Array:
+  """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy.
+
+  k1 = logp - ref_logp
+  k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1   (non-negative, lower variance)
+  """
+  if estimator == "k1":
+    return logp_bt - ref_logp_bt
+  if estimator == "k3":
+    d_bt = ref_logp_bt - logp_bt
+    return jnp.exp(d_bt) - d_bt - 1.0
+  raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: jax.Array,
+              ref_logp_bt: jax.Array | None, adv_b: jax.Array, mask_bt: jax.Array,
+              weights_bt: jax.Array, eps_low: float, eps_high: float, tis_cap: float,
+              ratio_level: str, kl_beta: float, kl_estimator: str
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Decoupled-PPO GRPO loss and token statistics.
+
+  loss   = pg_loss + kl_beta * kl_loss
+  pg_loss = -sum_bt W_bt * w_bt * s_bt      (s: clipped_surrogate of r = pi_theta / pi_prox,
+                                            w: tis_weight of pi_prox / mu)
+  kl_loss = sum_bt W_bt * kl_bt              (0 and no reference needed when kl_beta = 0)
+
+  `weights_bt` comes from `loss_weights` and fixes the aggregation mode. The stats
+  are masked sums (not means) so that callers can add them over micro-batches:
+  tokens, clip_low / clip_high (tokens where the clip binds: A < 0 and r < 1 - eps_low,
+  or A > 0 and r > 1 + eps_high), tis_weight, tis_truncated, prox_gap (|logp_prox - mu|),
+  kl_behavior (k3 estimate of KL(mu || pi_prox)), kl (the per-token KL to the
+  reference). `ratio_bt` holds the ratios with NaN off the mask, for percentiles.
+  """
+  prox_logp_bt = jax.lax.stop_gradient(prox_logp_bt)
+  ratio_bt = importance_ratio(logp_bt=logp_bt, prox_logp_bt=prox_logp_bt, mask_bt=mask_bt,
+                              ratio_level=ratio_level)
+  w_bt, truncated_bt = tis_weight(prox_logp_bt=prox_logp_bt,
+                                  behavior_logp_bt=behavior_logp_bt, cap=tis_cap)
+  surr_bt = clipped_surrogate(ratio_bt=ratio_bt, adv_b=adv_b, eps_low=eps_low,
+                              eps_high=eps_high)
+  pg_loss = -masked_sum(x_bt=weights_bt * w_bt * surr_bt, mask_bt=mask_bt)
+  if kl_beta > 0:
+    kl_bt = kl_penalty(logp_bt=logp_bt, ref_logp_bt=ref_logp_bt, estimator=kl_estimator)
+    kl_loss = masked_sum(x_bt=weights_bt * kl_bt, mask_bt=mask_bt)
+    kl_sum = masked_sum(x_bt=jax.lax.stop_gradient(kl_bt), mask_bt=mask_bt)
+  else:
+    kl_loss = kl_sum = jnp.zeros((), jnp.float32)
+  loss = pg_loss + kl_beta * kl_loss
+
+  r_bt = jax.lax.stop_gradient(ratio_bt)
+  adv_bt = jnp.broadcast_to(adv_b[:, None], r_bt.shape)
+  count = lambda c_bt: masked_sum(x_bt=c_bt.astype(jnp.float32), mask_bt=mask_bt)
+  log_gap_bt = prox_logp_bt - behavior_logp_bt  # log(pi_prox / mu)
+  stats = dict(
+      pg_loss=pg_loss,
+      kl_loss=kl_loss,
+      tokens=count(jnp.ones_like(r_bt)),
+      clip_low=count((adv_bt < 0) & (r_bt < 1.0 - eps_low)),
+      clip_high=count((adv_bt > 0) & (r_bt > 1.0 + eps_high)),
+      tis_weight=masked_sum(x_bt=w_bt, mask_bt=mask_bt),
+      tis_truncated=count(truncated_bt),
+      prox_gap=masked_sum(x_bt=jnp.abs(log_gap_bt), mask_bt=mask_bt),
+      kl_behavior=masked_sum(x_bt=jnp.exp(log_gap_bt) - log_gap_bt - 1.0, mask_bt=mask_bt),
+      kl=kl_sum,
+      ratio_bt=jnp.where(mask_bt, r_bt, jnp.nan),
+  )
+  return loss, stats
