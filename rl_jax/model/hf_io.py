@@ -277,12 +277,7 @@ def from_pretrained(path: str, dtype: str = "float32") -> tuple[ModelConfig, dic
 
 def _hf_tensors(cfg: ModelConfig, params: dict):
   """[(HF name, nbytes, convert)] in checkpoint order; convert() builds one HF tensor."""
-  host = {"layers": {}}
-  for name, value in params.items():
-    if name != "layers":
-      host[name] = np.asarray(jax.device_get(value))
-  for name, value in params["layers"].items():
-    host["layers"][name] = np.asarray(jax.device_get(value))
+  host = jax.tree.map(np.asarray, jax.device_get(params))
 
   def entry(hf_name, array, hf_shape, linear):
     return hf_name, array.nbytes, lambda: _to_hf(array, hf_shape, linear)

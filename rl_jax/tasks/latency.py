@@ -109,6 +109,7 @@ def make_latency(verifier_cfg) -> Latency:
 
 def call_rng(*, seed: int, call_index: int, attempt: int) -> np.random.Generator:
   """The Generator for attempt `attempt` of call `call_index`."""
+  # SeedSequence entropy must be non-negative; fold any int seed into 32 bits.
   return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(call_index), int(attempt)])
 
 

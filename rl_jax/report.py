@@ -1,0 +1,144 @@
+"""Plots and an HTML page from run workdirs (summary.json + metrics.jsonl).
+
+Used by launch/report.py (one or more workdirs) and launch/compare.py (sync vs async).
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from rl_jax.metrics import read_jsonl
+
+
+class ReportError(ValueError):
+  pass
+
+
+def load_run(workdir: str) -> dict:
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.isfile(path):
+    raise ReportError(f"{path} does not exist: is {workdir!r} a finished run's workdir?")
+  with open(path) as f:
+    summary = json.load(f)
+  mpath = os.path.join(workdir, "metrics.jsonl")
+  rows = read_jsonl(mpath) if os.path.isfile(mpath) else []
+  name = summary.get("mode", os.path.basename(os.path.normpath(workdir)))
+  return {"name": name, "workdir": workdir, "summary": summary, "rows": rows}
+
+
+def time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:
+  """Pipeline wall time of the first held-out evaluation at or above `target`."""
+  for t, _, r in curve:
+    if r >= target - 1e-9:
+      return float(t)
+  return None
+
+
+def _series(rows, key):
+  pts = [(r.get("time_s"), r.get(key)) for r in rows if r.get(key) is not None and r.get("time_s") is not None]
+  if not pts:
+    return np.zeros(0), np.zeros(0)
+  t, v = zip(*pts)
+  return np.asarray(t, float), np.asarray(v, float)
+
+
+def make_plots(runs: list[dict], outdir: str) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  os.makedirs(outdir, exist_ok=True)
+  files = []
+
+  def save(fig, name):
+    path = os.path.join(outdir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    files.append(name)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for run in runs:
+    c = np.asarray(run["summary"]["heldout_curve"], float)
+    ax.plot(c[:, 0], c[:, 2], marker="o", label=run["name"])
+  ax.set_xlabel("pipeline wall time (s)")
+  ax.set_ylabel("held-out reward (greedy)")
+  ax.set_title("Held-out reward vs wall time")
+  ax.legend()
+  save(fig, "heldout_vs_time.png")
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  width = 0.8 / max(len(runs), 1)
+  for i, run in enumerate(runs):
+    hist = {int(k): v for k, v in run["summary"]["staleness_histogram"].items()}
+    disc = run["summary"].get("rollouts_discarded_stale", 0)
+    ks = sorted(hist)
+    ax.bar(np.asarray(ks) + i * width, [hist[k] for k in ks], width=width,
+           label=f"{run['name']} (discarded rollouts: {disc})")
+  ax.set_xlabel("staleness at consumption (versions)")
+  ax.set_ylabel("groups trained")
+  ax.set_title("Staleness histogram")
+  ax.legend()
+  save(fig, "staleness_hist.png")
+
+  fig, axes = plt.subplots(len(runs), 1, figsize=(7, 2.6 * len(runs)), squeeze=False)
+  for ax, run in zip(axes[:, 0], runs):
+    t, depth = _series(run["rows"], "queue/depth")
+    _, infl = _series(run["rows"], "queue/inflight_groups")
+    ax.step(t, depth, where="post", label="queue depth")
+    if len(infl):
+      ax.step(t, infl, where="post", label="in-flight groups")
+    tl = run["summary"].get("timeline", {})
+    for row, role in enumerate(("sampler", "trainer")):
+      spans = [(a, b - a) for a, b in tl.get(role, [])]
+      if spans:
+        ax.broken_barh(spans, (-2.5 - 1.5 * row, 1.0), color=f"C{row + 2}", label=f"{role} busy")
+    ax.set_title(f"{run['name']}: queue and busy timelines")
+    ax.set_xlabel("pipeline wall time (s)")
+    ax.legend(loc="upper right", fontsize=7)
+  save(fig, "queue_busy.png")
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for i, run in enumerate(runs):
+    for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
+      t, v = _series(run["rows"], f"lengths/{q}")
+      if len(t):
+        ax.plot(t, v, style, color=f"C{i}", label=f"{run['name']} {q}")
+  ax.set_xlabel("pipeline wall time (s)")
+  ax.set_ylabel("completion length (tokens)")
+  ax.set_title("Response-length percentiles")
+  ax.legend(fontsize=7)
+  save(fig, "lengths.png")
+  return files
+
+
+_KEYS = ("wall_time_s", "optimizer_steps", "heldout_reward_initial", "heldout_reward_final",
+         "rollouts_generated", "rollouts_trained", "rollouts_discarded_stale",
+         "sampler_tokens_per_s", "trainer_tokens_per_s", "weight_sync_s_mean",
+         "sampler_busy_frac", "trainer_busy_frac", "max_queue_depth")
+
+
+def write_html(runs: list[dict], outdir: str, headline: str = "") -> str:
+  files = make_plots(runs, outdir)
+  head = "".join(f"<th>{html.escape(r['name'])}</th>" for r in runs)
+  body = ""
+  for k in _KEYS:
+    cells = ""
+    for r in runs:
+      v = r["summary"].get(k)
+      cells += f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{v}</td>"
+    body += f"<tr><td>{k}</td>{cells}</tr>"
+  imgs = "".join(f'<p><img src="{f}"></p>' for f in files)
+  page = (f"<html><head><meta charset='utf-8'><title>rl_jax report</title></head><body>"
+          f"<h1>rl_jax report</h1><p>{html.escape(headline)}</p>"
+          f"<table border=1 cellpadding=3><tr><th></th>{head}</tr>{body}</table>{imgs}"
+          f"<p>Staleness = trainer_version - min(token_versions) at consumption, in published "
+          f"versions. Wall time excludes held-out evaluation.</p></body></html>")
+  path = os.path.join(outdir, "report.html")
+  with open(path, "w") as f:
+    f.write(page)
+  return path
