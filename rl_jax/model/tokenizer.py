@@ -10,6 +10,8 @@ import json
 import os
 from typing import Iterable
 
+import tokenizers
+
 from rl_jax.model.presets import ModelConfig, get_preset
 
 PROMPT_PLACEHOLDER = "{prompt}"
@@ -85,14 +87,13 @@ class HFTokenizer:
   """A checkpoint directory's tokenizer.json, via the `tokenizers` library.
 
   Special ids come from tokenizer_config.json (bos_token / eos_token / pad_token), then
-  config.json and generation_config.json (*_token_id), then the keyword defaults;
-  `stop_ids` holds every eos id any of them names. pad falls back to eos.
+  config.json and generation_config.json (*_token_id); the keyword ids are used only
+  where none of those files names one. `stop_ids` holds every eos id the files name.
+  pad falls back to eos.
   """
 
   def __init__(self, path: str, *, bos_id: int | None = None, eos_id: int | None = None,
                pad_id: int | None = None):
-    import tokenizers  # Only real checkpoints need it; the char default does not.
-
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
       raise FileNotFoundError(f"tokenizer file {file} does not exist")
@@ -111,8 +112,8 @@ class HFTokenizer:
       return next((c for c in candidates if c is not None), None)
 
     eos_ids = ([token_id("eos_token")] + _as_list(model_cfg.get("eos_token_id")) +
-               _as_list(gen_cfg.get("eos_token_id")) + [eos_id])
-    eos_ids = [i for i in eos_ids if i is not None]
+               _as_list(gen_cfg.get("eos_token_id")))
+    eos_ids = [i for i in eos_ids if i is not None] or ([] if eos_id is None else [eos_id])
     if not eos_ids:
       raise ValueError(f"no eos token in the tokenizer_config.json, config.json or "
                        f"generation_config.json of {path}; pass eos_id")
