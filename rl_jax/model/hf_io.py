@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
@@ -242,7 +243,7 @@ def from_pretrained(path: str, dtype: str = "float32") -> tuple[ModelConfig, dic
   cfg = config_from_hf(_read_json(os.path.join(path, "config.json")), dtype=dtype,
                        where=os.path.join(path, "config.json"))
   shapes = jax.eval_shape(init_params, cfg, jax.random.key(0))
-  np_dtype = np.dtype(jax.numpy.dtype(dtype))
+  np_dtype = jnp.dtype(dtype)
   files = _tensor_files(path)
   with contextlib.ExitStack() as stack:
     handles: dict[str, Any] = {}

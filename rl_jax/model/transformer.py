@@ -216,7 +216,9 @@ class Transformer(nn.Module):
     embed_ve = self.param(
         "embed", nn.with_logical_partitioning(_normal(e ** -0.5), ("vocab", "embed")),
         (vocab, e), pdtype)
-    x_bte = jnp.take(embed_ve, tokens_bt, axis=0).astype(dtype)
+    # Clip rather than jnp.take's default NaN fill: an out-of-vocabulary sentinel (say an
+    # empty decode slot) must not put NaNs into activations or gradients.
+    x_bte = jnp.take(embed_ve, tokens_bt, axis=0, mode="clip").astype(dtype)
     cos_btd, sin_btd = rope_tables(positions_bt, rope_inv_freq(cfg))
     cos_btd, sin_btd = cos_btd.astype(dtype), sin_btd.astype(dtype)
 
@@ -253,6 +255,9 @@ def _boxed_params(model_cfg: ModelConfig, rng):
   return Transformer(cfg=model_cfg).init(rng, tokens_bt, tokens_bt)["params"]
 
 
+# Jitted because eager init dispatches every random draw and re-traces the layer scan
+# on each call (seconds even for a tiny model); compiled once per config instead.
+@jax.jit
 def init_params(model_cfg: ModelConfig, rng) -> dict:
   """Random parameters as a plain nested dict of `param_dtype` arrays.
 

@@ -102,7 +102,10 @@ class Pipeline:
     self.prompts = prompts_lib.make_prompt_source(
         self.task, cfg.data, self.tokenizer, seed=cfg.seed,
         process_index=jax.process_index(), process_count=jax.process_count())
-    self.heldout = self.task.heldout_examples()
+    heldout_examples = self.task.heldout_examples()
+    records = prompts_lib.heldout_records(self.task, cfg.data, self.tokenizer)
+    self.heldout = [heldout_examples[r["index"]] for r in records]
+    self.heldout_prompts = [r["prompt_tokens"] for r in records]
 
     self.trainer = Trainer(model_cfg, cfg.trainer, self.meshes.trainer,
                            total_steps=cfg.rl.total_steps)
@@ -238,7 +241,7 @@ class Pipeline:
       if group is None:
         return
       r = next(x for x in group.rollouts if x.sample_index == idx)
-      r.reward = float(result.reward.score)
+      r.reward = float(result.reward.total)  # correctness + weighted format reward
       r.reward_info = dict(result.reward.components)
       r.verifier_status = result.status
       r.verified = result.t_finished
@@ -307,9 +310,7 @@ class Pipeline:
     try:
       params, _ = self.weight_sync.transfer(self.state.params, self.version)
       self.evaluator.update_params(params, self.version)
-      prompts = [np.asarray(self.tokenizer.encode(e.prompt, add_bos=True), np.int32)
-                 for e in self.heldout]
-      completions = self.evaluator.generate(prompts, greedy=True,
+      completions = self.evaluator.generate(self.heldout_prompts, greedy=True,
                                             max_new_tokens=self.cfg.sampler.max_new_tokens)
       texts = [self.tokenizer.decode(c) for c in completions]
       result = evaluate_task(self.task, self.heldout, texts)
@@ -319,6 +320,7 @@ class Pipeline:
     return float(result["reward_mean"])
 
   def warmstart(self) -> None:
+    from rl_jax.data.prompts import encode_prompt
     from rl_jax.trainer.train_step import make_sft_batch
     w = self.cfg.warmstart
     if w.steps <= 0:
@@ -328,7 +330,8 @@ class Pipeline:
     for step in range(w.steps):
       idx = rng.integers(0, n, size=w.batch_size)
       examples = [self.task.example(int(i)) for i in idx]
-      prompts = [self.tokenizer.encode(e.prompt, add_bos=True) for e in examples]
+      prompts = [encode_prompt(e.prompt, tokenizer=self.tokenizer,
+                               max_length=self.cfg.data.max_prompt_length)[0] for e in examples]
       completions = [self.tokenizer.encode(self.task.demonstration(e)) + [self.tokenizer.eos_id]
                      for e in examples]
       batch = make_sft_batch(prompts, completions, pad_id=self.tokenizer.pad_id,

@@ -33,6 +33,13 @@ def _canonical(sign: str, int_part: str | None, frac: str | None) -> str:
   return "-" + body if sign == "-" and body != "0" else body
 
 
+def preview(number: str | None, limit: int = 40) -> str | None:
+  """A bounded copy of a parsed number for Reward.info (logs must not hold 10**5 digits)."""
+  if number is None or len(number) <= limit:
+    return number
+  return f"{number[:limit // 2]}...({len(number)} chars)"
+
+
 def _normalise(text: str) -> str:
   return text.replace("\u2212", "-")
 
@@ -52,12 +59,6 @@ def canonical_integer(text: str) -> str | None:
   if _INTEGER.fullmatch(text) is None:
     return None
   return _canonical(text[0] if text[0] in "+-" else "", text.lstrip("+-"), None)
-
-
-def numbers_in(text: str) -> list[str]:
-  """Canonical forms of every number in text, in order."""
-  return [_canonical(m["sign"], m["int"], m["frac"])
-          for m in _NUMBER.finditer(_normalise(text))]
 
 
 def _first_number(segment: str) -> str | None:

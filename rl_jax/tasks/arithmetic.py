@@ -57,7 +57,7 @@ class ArithmeticTask(ProceduralTask):
     got = answers.canonical_integer(completion_text)
     return make_reward(correct=got is not None and got == example.answer,
                        format_ok=got is not None, format_reward=self.format_reward,
-                       parsed=got)
+                       parsed=answers.preview(got))
 
 
 def _from_config(task_cfg, *, seed: int, on_bad_line: str) -> ArithmeticTask:

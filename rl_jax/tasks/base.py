@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -48,7 +49,8 @@ class TaskError(ValueError):
 class Example:
   """One prompt with its reference answer.
 
-  uid: stable identifier (same prompt and task config -> same uid across runs).
+  uid: stable across runs; procedural tasks derive it from the prompt text, file
+    tasks from the file name and line number.
   meta: task-specific data the verifier needs (e.g. countdown numbers, a regex).
   """
   uid: str
@@ -69,9 +71,6 @@ class Reward:
   total: float
   components: dict[str, float] = dataclasses.field(default_factory=dict)
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-ZERO_REWARD = Reward(score=0.0, total=0.0, components={"correct": 0.0, "format": 0.0})
 
 
 def make_reward(*, correct: float, format_ok: float, format_reward: float,
@@ -296,8 +295,6 @@ def make_task(task_cfg, *, seed: int = 0, on_bad_line: str = "fail") -> Task:
   seed drives procedural training streams; on_bad_line (data.on_bad_line: skip | fail)
   governs malformed records in task.path.
   """
-  # The built-in tasks register themselves on import.
-  from rl_jax.tasks import arithmetic, countdown, gsm8k, jsonl  # noqa: F401
   name = task_cfg.name
   if name not in _REGISTRY:
     raise TaskError(f"task.name={name!r} is unknown; allowed: {', '.join(task_names())}.")

@@ -38,7 +38,8 @@ def score_numeric(*, reference: str, completion_text: str,
   got, source = answers.extract_final_answer(completion_text)
   marked = got is not None and source in ("####", "boxed")
   return make_reward(correct=got is not None and got == reference, format_ok=marked,
-                     format_reward=format_reward, extracted=got, source=source)
+                     format_reward=format_reward, extracted=answers.preview(got),
+                     source=source)
 
 
 class GSM8KTask(DatasetTask):

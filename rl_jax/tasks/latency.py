@@ -1,7 +1,7 @@
 """Injected verifier latency and failures, to study long-tailed verifiers.
 
-verifier.latency selects the distribution of the extra delay L (seconds) of one call,
-each parametrised so that E[L] = verifier.latency_mean_s = m:
+verifier.latency selects the distribution of the extra delay L (seconds) of one call;
+the parametric ones are scaled so that E[L] = verifier.latency_mean_s = m:
 
   none       L = 0
   fixed      L = m
@@ -11,7 +11,8 @@ each parametrised so that E[L] = verifier.latency_mean_s = m:
              x_m = m * (alpha - 1) / alpha, alpha = verifier.latency_alpha > 1;
              median x_m * 2**(1 / alpha); variance is infinite for alpha <= 2
   empirical  L drawn uniformly from the values in verifier.latency_file (one number of
-             seconds per line; blank lines and lines starting with "#" are ignored)
+             seconds per line; blank lines and lines starting with "#" are ignored);
+             E[L] is the file's mean and latency_mean_s is unused
 
 and with probability verifier.failure_prob the call raises InjectedFailure after its
 delay. Draws for call c, attempt a come from numpy Generator(seed, c, a), so a run's
@@ -43,18 +44,20 @@ class Latency:
   values: tuple[float, ...] = ()
 
   def sample(self, rng: np.random.Generator, size: int | None = None):
+    n = 1 if size is None else size
     if self.kind == "none":
-      draws = np.zeros(size or 1)
+      draws = np.zeros(n)
     elif self.kind == "fixed":
-      draws = np.full(size or 1, self.mean_s)
+      draws = np.full(n, self.mean_s)
     elif self.kind == "lognormal":
       mu = math.log(self.mean_s) - self.sigma**2 / 2
-      draws = rng.lognormal(mu, self.sigma, size=size or 1)
+      draws = rng.lognormal(mu, self.sigma, size=n)
     elif self.kind == "pareto":
       x_m = self.mean_s * (self.alpha - 1) / self.alpha
-      draws = x_m * (1.0 + rng.pareto(self.alpha, size=size or 1))
+      # numpy's pareto is Lomax (Pareto II); 1 + Lomax is Pareto I with minimum 1.
+      draws = x_m * (1.0 + rng.pareto(self.alpha, size=n))
     else:
-      draws = np.asarray(self.values)[rng.integers(len(self.values), size=size or 1)]
+      draws = np.asarray(self.values)[rng.integers(len(self.values), size=n)]
     return draws if size is not None else float(draws[0])
 
 

@@ -8,7 +8,7 @@ at most (retries + 1) * timeout_s of worker time plus its queueing delay. The fi
 status is that of the last attempt:
 
   ok       task.reward returned; the result carries its Reward
-  timeout  the last attempt ran past timeout_s; reward 0 (ZERO_REWARD)
+  timeout  the last attempt ran past timeout_s; reward 0
   error    the last attempt raised (or its process died); reward 0
 
 Results arrive through the call's callback(key, result), run on a pool thread (keep it
@@ -41,24 +41,32 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rl_jax.tasks.base import ZERO_REWARD, Example, Reward, Task, TaskError
+from rl_jax.tasks.base import Example, Reward, Task, TaskError, make_reward
 from rl_jax.tasks.latency import InjectedFailure, draw_call, make_latency
 
 BACKENDS = ("threads", "processes")
 STATUSES = ("ok", "timeout", "error")
 # Latencies kept for percentiles: a sliding window, so stats() stays O(window).
 _LATENCY_WINDOW = 10_000
-# close() waits this long in total for workers to exit; stuck threads are daemons.
-_CLOSE_WAIT_S = 2.0
+# close() waits this long in total for workers to exit; idle ones exit at once and a
+# thread stuck inside task.reward is a daemon that is left behind.
+_CLOSE_WAIT_S = 1.0
 # A process worker checks for close() this often while waiting on its process.
 _POLL_S = 0.05
+# How long a new verifier process may take to import the task before it counts as
+# failed; start-up is not charged to any call's timeout.
+_PROCESS_START_S = 120.0
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
-  """The outcome of one submitted call; times are time.time() stamps."""
+  """The outcome of one submitted call; times are time.time() stamps.
+
+  t_started is the start of the first attempt; error is the last failed attempt's
+  message ("" when status is ok).
+  """
   key: Any
   reward: Reward
   status: str
@@ -88,11 +96,11 @@ class _Call:
   t_started: float = 0.0
   attempts: int = 0
   running: int = 0  # the attempt number in progress, 0 when none
-  error: str = ""
 
 
 def _process_main(conn, task: Task) -> None:
   """Body of a verifier process: score (example, text, delay, fails) messages."""
+  conn.send(("ready", None))
   while True:
     try:
       example, text, delay, fails = conn.recv()
@@ -147,13 +155,17 @@ class VerifierPool:
     self._latencies: list[float] = []
 
     if self.backend == "processes":
+      # spawn, not fork: forking a process that runs JAX threads can deadlock.
       self._mp = multiprocessing.get_context("spawn")
-      target = self._process_worker
+      # Started here so that a task that cannot be pickled fails the constructor.
+      children = [self._spawn() for _ in range(self.workers)]
+      for child in children:
+        self._start_thread(lambda child=child: self._process_worker(*child),
+                           "verifier-worker")
     else:
-      target = self._thread_worker
       self._start_thread(self._watchdog, "verifier-watchdog")
-    for _ in range(self.workers):
-      self._start_thread(target, "verifier-worker")
+      for _ in range(self.workers):
+        self._start_thread(self._thread_worker, "verifier-worker")
 
   def _start_thread(self, target: Callable[[], None], name: str) -> None:
     thread = threading.Thread(target=target, name=name, daemon=True)
@@ -210,7 +222,7 @@ class VerifierPool:
   def close(self) -> None:
     """Stops the workers without waiting for in-flight calls; queued calls are dropped.
 
-    Returns within about 2 s even if task.reward is stuck: threads are daemons,
+    Returns within about 1 s even if task.reward is stuck: threads are daemons,
     processes are killed.
     """
     with self._lock:
@@ -254,7 +266,9 @@ class VerifierPool:
       self._retried += 1
       self._inbox.put(call)
       return None
-    result = VerifyResult(key=call.key, reward=reward if status == "ok" else ZERO_REWARD,
+    if status != "ok":
+      reward = make_reward(correct=0.0, format_ok=0.0, format_reward=0.0)
+    result = VerifyResult(key=call.key, reward=reward,
                           status=status, attempts=call.attempts,
                           t_submitted=call.t_submitted, t_started=call.t_started,
                           t_finished=time.time(), error=error)
@@ -336,11 +350,9 @@ class VerifierPool:
     child.close()
     return process, parent
 
-  def _run_in_process(self, conn, call: _Call, attempt: int) -> tuple[str, Any]:
-    """Sends one attempt to the worker's process and waits up to timeout_s."""
-    delay, fails = self._draw(call, attempt)
-    conn.send((call.example, call.text, delay, fails))
-    deadline = time.monotonic() + self.timeout_s
+  def _receive(self, conn, timeout_s: float) -> tuple[str, Any] | None:
+    """The next message from a process, None after timeout_s; _Closed on close()."""
+    deadline = time.monotonic() + timeout_s
     while True:
       remaining = deadline - time.monotonic()
       if conn.poll(max(0.0, min(_POLL_S, remaining))):
@@ -348,33 +360,73 @@ class VerifierPool:
       if self._stop.is_set():
         raise _Closed()
       if remaining <= 0:
-        return "timeout", f"attempt exceeded {self.timeout_s} s"
+        return None
 
-  def _process_worker(self) -> None:
-    process, conn = self._spawn()
+  def _run_in_process(self, conn, call: _Call, attempt: int) -> tuple[str, Any]:
+    """Sends one attempt to the worker's process and waits up to timeout_s."""
+    delay, fails = self._draw(call, attempt)
+    conn.send((call.example, call.text, delay, fails))
+    message = self._receive(conn, self.timeout_s)
+    return message or ("timeout", f"attempt exceeded {self.timeout_s} s")
+
+  def _ready(self, process, conn) -> bool:
+    """Waits for a new process's "ready"; False (logged) if it dies or stalls."""
     try:
+      if self._receive(conn, _PROCESS_START_S) == ("ready", None):
+        return True
+      log.error("verifier process did not start within %.0f s", _PROCESS_START_S)
+    except (EOFError, OSError) as e:
+      log.error("verifier process exited during start-up (%s: %s, exit code %s)",
+                type(e).__name__, e, process.exitcode)
+    process.kill()
+    process.join(timeout=1.0)
+    return False
+
+  def _start_process(self):
+    """(process, conn) of a new verifier process that reported ready, else (None, None)."""
+    try:
+      process, conn = self._spawn()
+    except Exception:  # pylint: disable=broad-except
+      log.exception("verifier process failed to start")
+      return None, None
+    return (process, conn) if self._ready(process, conn) else (None, None)
+
+  def _process_worker(self, process, conn) -> None:
+    try:
+      if not self._ready(process, conn):
+        process, conn = self._start_process()
       while True:
         call = self._inbox.get()
         with self._lock:
           if call is None or self._closed:
             return
           attempt = self._begin_attempt(call)
+        if process is None:
+          process, conn = self._start_process()
+        broken = False
         try:
+          if process is None:
+            raise RuntimeError("no verifier process could be started")
           status, payload = self._run_in_process(conn, call, attempt)
-        except (EOFError, OSError) as e:
-          status, payload = "error", f"verifier process died ({type(e).__name__})"
         except _Closed:
           return
-        if status == "timeout" or not process.is_alive():
-          # A timed-out process may still be computing (its late answer would sit in
-          # the pipe) and a dead one cannot serve: start the next attempt afresh.
-          process.kill()
-          process.join(timeout=1.0)
-          process, conn = self._spawn()
+        except Exception as e:  # pylint: disable=broad-except
+          # The process died mid-call (EOFError, BrokenPipeError) or never started.
+          broken = True
+          status, payload = "error", f"verifier process failed ({type(e).__name__}: {e})"
         with self._lock:
           result = self._settle(call, payload if status == "ok" else None, status,
                                 "" if status == "ok" else str(payload))
         self._deliver(call, result)
+        if process is not None and (status == "timeout" or broken):
+          # A timed-out process may still be computing (its late answer would sit in
+          # the pipe) and a dead one cannot serve: replace it before the next call.
+          process.kill()
+          process.join(timeout=1.0)
+          process, conn = self._start_process()
+    except _Closed:
+      return
     finally:
-      process.kill()
-      process.join(timeout=1.0)
+      if process is not None:
+        process.kill()
+        process.join(timeout=1.0)

@@ -1,0 +1,68 @@
+"""Plan the sampler / trainer split of a cluster by simulation, before running the job.
+
+  python launch/plan.py --config configs/default.py --devices 8 [--profile WORKDIR]
+      [--memory-gb 139] [--sweep-staleness 0,1,2,4] [--sweep-inflight -1,16,32]
+      [--max-discard 0.05] [--out DIR] [--config.x=y ...]
+  python launch/plan.py --config configs/default.py --validate WORKDIR [--profile PILOT]
+
+--profile fits the throughput models and distributions from a pilot's workdir;
+--validate compares the prediction for that run's own configuration with what it observed.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rl_jax import config as config_lib  # noqa: E402
+from rl_jax import planner  # noqa: E402
+
+
+def _ints(flag):
+  def parse(text):
+    try:
+      return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got {text!r}")
+  return parse
+
+
+def main(argv):
+  try:
+    cfg, rest = config_lib.parse_args(argv)
+  except config_lib.ConfigError as e:
+    sys.exit(f"error: {e}")
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--devices", type=int)
+  p.add_argument("--profile")
+  p.add_argument("--validate")
+  p.add_argument("--memory-gb", type=float)
+  p.add_argument("--sweep-staleness", type=_ints("--sweep-staleness"))
+  p.add_argument("--sweep-inflight", type=_ints("--sweep-inflight"))
+  p.add_argument("--max-discard", type=float, default=0.05)
+  p.add_argument("--out", default="runs/plan")
+  args = p.parse_args(rest)
+  if args.devices is None and not args.validate:
+    sys.exit("error: --devices is required (the cluster size to plan for)")
+  try:
+    profile = None
+    if args.profile:
+      _, profile = planner.load_profile(args.profile, cfg=cfg, flag="--profile")
+    if args.validate:
+      pilot, fitted = planner.load_profile(args.validate, cfg=cfg, flag="--validate")
+      print(f"validating against {args.validate} ({pilot.cfg.rl.mode} mode)")
+      print(planner.format_validation(planner.validate(pilot, profile or fitted)))
+      return
+    result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
+                          staleness_values=args.sweep_staleness,
+                          inflight_values=args.sweep_inflight, max_discard_rate=args.max_discard)
+  except (planner.PlanError, planner.ProfileError, config_lib.ConfigError) as e:
+    sys.exit(f"error: {e}")
+  print(planner.format_plan(result))
+  if result.recommended is not None:
+    print("run it with: " + " ".join(planner.overrides(cfg, result.recommended)))
+  print(f"plot: {planner.plot_plan(result, os.path.join(args.out, 'plan.png'))}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

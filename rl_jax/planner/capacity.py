@@ -1,0 +1,357 @@
+"""Sweep sampler / trainer splits of a cluster, reject bad layouts, rank the rest.
+
+A layout gives S devices to sampling and T = N - S to training (or, colocated, all N
+to both). The sampler keeps the config's tensor-parallel size t_s = mesh.sampler.tensor
+and its slots per replica (sampler.max_concurrent_decodes / mesh.sampler.data), so
+
+  replicas R = S / t_s,   decode slots = R * min(slots per replica, KV tokens per replica
+                                                 / (prompt + max_new_tokens))
+
+(a replica cannot run more full-length sequences than its KV pool holds). The trainer
+keeps t_t = mesh.trainer.tensor and shards the rest over fsdp, so its data-parallel
+size is T / t_t, which must divide the batch (groups_per_step * group_size).
+
+A layout is rejected when it does not fit memory (rl_jax.planner.memory), when the
+batch does not split over its trainer, or when its predicted discard rate exceeds
+`max_discard_rate` (completed work the staleness bound throws away). The rest are ranked
+by predicted useful trained rollouts per hour (discarded rollouts excluded).
+
+Without a pilot profile every model is a roofline prior (rl_jax.planner.models) for the
+config's model preset on `device`, with completion lengths lognormal around
+max_new_tokens / 2 (sigma 0.6), prompts of data.max_prompt_length tokens and verifier
+calls of 1 ms plus the configured injected latency.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rl_jax.planner import memory as memory_lib
+from rl_jax.planner import profile as profile_lib
+from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, VerifierModel, prior_sampler,
+                                   prior_trainer, prior_weight_sync_s, train_flops_per_token)
+from rl_jax.planner.simulate import Prediction, Scenario, diagnose, simulate
+
+
+class PlanError(ValueError):
+  """A planning request that cannot be met: one sentence naming the flag or field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  sampler_devices: int
+  trainer_devices: int
+  colocated: bool = False
+
+  @property
+  def label(self) -> str:
+    if self.colocated:
+      return f"colo{self.sampler_devices}"
+    return f"{self.sampler_devices}s/{self.trainer_devices}t"
+
+
+@dataclasses.dataclass
+class Candidate:
+  """One evaluated (layout, max_staleness, max_inflight_groups)."""
+  layout: Layout
+  max_staleness: int
+  max_inflight_groups: int
+  memory: memory_lib.MemoryEstimate | None
+  scenario: Scenario | None = None
+  prediction: Prediction | None = None
+  diagnosis: str = ""
+  rejected: str = ""
+
+  @property
+  def useful_per_hour(self) -> float:
+    return self.prediction.trained_rollouts_per_hour if self.prediction else 0.0
+
+
+@dataclasses.dataclass
+class Plan:
+  devices: int
+  mode: str
+  candidates: list[Candidate]  # accepted ones ranked first, best first
+  recommended: Candidate | None
+  sensitivity: list[dict]
+  notes: list[str]
+
+
+def model_shape(cfg):
+  """(ModelConfig, parameter count) of the config's model, imported lazily."""
+  if cfg.model.path:
+    import json
+    import os
+    from rl_jax.model import hf_io
+    path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(path):
+      raise PlanError(f"config field 'model.path': {path} does not exist")
+    with open(path) as f:
+      model_cfg = hf_io.config_from_hf(json.load(f), where=path)
+  else:
+    from rl_jax.model import presets
+    try:
+      model_cfg = presets.get_preset(cfg.model.preset)
+    except ValueError as e:
+      raise PlanError(f"config field 'model.preset': {e}") from None
+  from rl_jax.model import presets
+  return model_cfg, presets.num_params(model_cfg)
+
+
+def layouts(*, devices: int, sampler_tensor: int, trainer_tensor: int) -> list[Layout]:
+  """Every split with whole sampler replicas and whole trainer tensor groups, then
+  the colocated layout when both tensor sizes divide the cluster."""
+  out = [Layout(s, devices - s) for s in range(sampler_tensor, devices, sampler_tensor)
+         if (devices - s) >= trainer_tensor and (devices - s) % trainer_tensor == 0]
+  if devices % sampler_tensor == 0 and devices % trainer_tensor == 0:
+    out.append(Layout(devices, devices, colocated=True))
+  return out
+
+
+def _tensor(sub) -> int:
+  return int(sub.get("tensor", 1))
+
+
+def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_cfg, params: int,
+             device: DeviceSpec, num_steps: int, max_staleness: int | None = None,
+             max_inflight_groups: int | None = None, length_scale: float = 1.0,
+             verifier_scale: float = 1.0) -> Scenario:
+  """The simulation input for `cfg` on `layout`; see the module docstring for priors."""
+  rl, s = cfg.rl, cfg.sampler
+  t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
+  staleness = rl.max_staleness if max_staleness is None else max_staleness
+  inflight = rl.max_inflight_groups if max_inflight_groups is None else max_inflight_groups
+  if inflight < 0:
+    inflight = (staleness + 1) * rl.groups_per_step
+  kv_tok = memory_lib.kv_bytes_per_token(num_layers=model_cfg.num_layers,
+                                         num_kv_heads=model_cfg.num_kv_heads,
+                                         head_dim=model_cfg.head_dim, dtype=s.dtype)
+  weight_bytes = params * memory_lib.DTYPE_BYTES[s.dtype]
+  if profile is not None:
+    prompt = profile.prompt_tokens
+    lengths = profile.lengths
+    latency, base_s = profile.verifier_latency, 0.0
+    ratio = profile.sampler_tensor / t_s  # decode time scales as 1 / tensor
+    sampler = dataclasses.replace(
+        profile.sampler, base_s=profile.sampler.base_s * ratio,
+        per_seq_s=profile.sampler.per_seq_s * ratio,
+        per_ctx_token_s=profile.sampler.per_ctx_token_s * ratio,
+        prefill_per_token_s=profile.sampler.prefill_per_token_s * ratio)
+    trainer = profile.trainer
+    sync_s = profile.weight_sync_s
+  else:
+    from rl_jax.tasks import base as task_base
+    from rl_jax.tasks.latency import make_latency
+    prompt = int(cfg.data.max_prompt_length)
+    lengths = LengthModel(kind="lognormal", max_tokens=int(s.max_new_tokens),
+                          median=s.max_new_tokens / 2, sigma=0.6)
+    try:
+      latency = make_latency(cfg.verifier)
+    except task_base.TaskError as e:
+      raise PlanError(str(e)) from None
+    base_s = 1e-3
+    sampler = prior_sampler(params=params, weight_bytes=weight_bytes, kv_bytes_per_token=kv_tok,
+                            tensor=t_s, device=device)
+    flops = train_flops_per_token(params=params, kl=cfg.trainer.kl_beta > 0,
+                                  extra_forward=cfg.trainer.num_minibatches > 1)
+    trainer = prior_trainer(flops_per_token=flops, device=device)
+    sync_s = prior_weight_sync_s(weight_bytes=weight_bytes, tensor=t_s, device=device)
+  verifier = VerifierModel(latency=latency, workers=int(cfg.verifier.workers), base_s=base_s,
+                           timeout_s=float(cfg.verifier.timeout_s),
+                           failure_prob=float(cfg.verifier.failure_prob),
+                           retries=int(cfg.verifier.retries))
+  replicas = layout.sampler_devices // t_s
+  slots = s.max_concurrent_decodes // int(cfg.mesh.sampler.get("data", 1))
+  kv_tokens = memory_lib.kv_pool_bytes(sampler_cfg=s, kv_per_token=kv_tok)
+  slots = min(slots, kv_tokens // (prompt + int(s.max_new_tokens)))
+  trainer_dp = max(layout.trainer_devices // t_t, 1)
+  return Scenario(
+      mode=rl.mode, groups_per_step=int(rl.groups_per_step), group_size=int(rl.group_size),
+      max_staleness=int(staleness), max_inflight_groups=int(inflight),
+      queue_maxsize=int(rl.queue_maxsize), weight_sync_every=int(rl.weight_sync_every),
+      inflight_weight_updates=bool(rl.inflight_weight_updates), num_steps=int(num_steps),
+      prompt_tokens=prompt, length_buckets=tuple(cfg.trainer.length_buckets),
+      batch_multiple=int(cfg.trainer.num_minibatches) * int(cfg.trainer.micro_batch_size or trainer_dp),
+      lengths=lengths.scaled(length_scale) if length_scale != 1.0 else lengths,
+      verifier=verifier.scaled(verifier_scale) if verifier_scale != 1.0 else verifier,
+      sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
+      trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
+      colocated=layout.colocated, seed=int(cfg.seed))
+
+
+def pilot_layout(cfg) -> Layout:
+  """The layout a config's mesh describes."""
+  s = math.prod(int(v) for v in dict(cfg.mesh.sampler).values())
+  t = math.prod(int(v) for v in dict(cfg.mesh.trainer).values())
+  return Layout(s, t, colocated=bool(cfg.mesh.colocated))
+
+
+def load_profile(workdir: str, *, cfg=None, flag: str = "--profile",
+                 device: DeviceSpec = DEVICES["h200"]):
+  """(Pilot, Profile) from a pilot workdir.
+
+  When the pilot logged no sampler/decode_steps, the constant decode step time is
+  calibrated: simulate the pilot's own configuration and rescale the step time by
+  observed / simulated sampler busy seconds per optimizer step, until within 2%.
+  """
+  pilot = profile_lib.load_pilot(workdir, flag=flag, cfg=cfg)
+  profile = profile_lib.fit_profile(pilot)
+  if profile.needs_calibration:
+    model_cfg, params = model_shape(pilot.cfg)
+    target = profile_lib.observed_sampler_busy_per_step(pilot)
+    for _ in range(6):
+      sc = scenario(pilot.cfg, layout=pilot_layout(pilot.cfg), profile=profile,
+                    model_cfg=model_cfg, params=params, device=device,
+                    num_steps=pilot.rows[-1]["step"])
+      pred = simulate(sc)
+      ratio = target / max(_sampler_busy_per_step(pred), 1e-12)
+      profile.sampler = dataclasses.replace(profile.sampler,
+                                            base_s=profile.sampler.base_s * ratio)
+      if abs(ratio - 1) < 0.02:
+        break
+    profile.needs_calibration = False
+    profile.notes.append(
+        f"sampler: no sampler/decode_steps in metrics.jsonl; constant decode step "
+        f"{profile.sampler.base_s:.3g}s calibrated to the pilot's sampler busy time")
+  return pilot, profile
+
+
+def _sampler_busy_per_step(pred: Prediction) -> float:
+  base, win = profile_lib.window(pred.rows)
+  last = win[-1]
+  busy = (last["sampler/busy_frac"] * last["time_s"] -
+          base["sampler/busy_frac"] * base["time_s"])
+  return busy / max(last["step"] - base["step"], 1)
+
+
+def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: int,
+             profile, model_cfg, params: int, device: DeviceSpec, memory_gib: float,
+             num_steps: int, max_discard_rate: float, length_scale: float = 1.0,
+             verifier_scale: float = 1.0) -> Candidate:
+  """Checks one candidate and, when it can run, simulates it."""
+  rl = cfg.rl
+  t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
+  mem = memory_lib.estimate(cfg=cfg, model_cfg=model_cfg, params=params, sampler_tensor=t_s,
+                            trainer_devices=layout.trainer_devices, trainer_tensor=t_t,
+                            memory_gib=memory_gib, colocated=layout.colocated)
+  cand = Candidate(layout=layout, max_staleness=max_staleness,
+                   max_inflight_groups=max_inflight_groups, memory=mem)
+  batch = rl.groups_per_step * rl.group_size
+  dp = layout.trainer_devices // t_t
+  gib = 2**30
+  if batch % dp:
+    cand.rejected = f"batch {batch} does not split over {dp} trainer data shards"
+  elif not mem.sampler_fits:
+    cand.rejected = f"sampler needs {mem.sampler_bytes / gib:.1f} GiB > {mem.limit_bytes / gib:.1f}"
+  elif not mem.trainer_fits:
+    cand.rejected = f"trainer needs {mem.trainer_bytes / gib:.1f} GiB > {mem.limit_bytes / gib:.1f}"
+  elif rl.mode == "async" and max_inflight_groups < rl.groups_per_step:
+    cand.rejected = f"in-flight limit {max_inflight_groups} < groups_per_step {rl.groups_per_step}"
+  if cand.rejected:
+    return cand
+  cand.scenario = scenario(cfg, layout=layout, profile=profile, model_cfg=model_cfg,
+                           params=params, device=device, num_steps=num_steps,
+                           max_staleness=max_staleness, max_inflight_groups=max_inflight_groups,
+                           length_scale=length_scale, verifier_scale=verifier_scale)
+  if cand.scenario.decode_slots < 1:
+    cand.rejected = "the KV pool cannot hold one full-length sequence"
+    return cand
+  cand.prediction = simulate(cand.scenario)
+  cand.diagnosis = diagnose(cand.prediction, cand.scenario)
+  if cand.prediction.discard_rate > max_discard_rate:
+    cand.rejected = (f"discards {100 * cand.prediction.discard_rate:.0f}% of groups "
+                     f"> {100 * max_discard_rate:.0f}%")
+  return cand
+
+
+def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"],
+         memory_gib: float | None = None, staleness_values=None, inflight_values=None,
+         max_discard_rate: float = 0.05, max_steps: int = 200) -> Plan:
+  """Evaluates every layout x max_staleness x max_inflight_groups, ranks, and tests the
+  recommended candidate against 2x longer responses and 2x slower verification.
+
+  inflight_values holds max_inflight_groups settings, -1 meaning (max_staleness + 1) *
+  groups_per_step. Simulated runs last min(rl.total_steps, max_steps) optimizer steps.
+  """
+  rl = cfg.rl
+  if devices < 1:
+    raise PlanError(f"--devices must be >= 1, got {devices}")
+  t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
+  options = layouts(devices=devices, sampler_tensor=t_s, trainer_tensor=t_t)
+  if not options:
+    raise PlanError(f"--devices {devices} cannot hold a sampler replica of mesh.sampler.tensor="
+                    f"{t_s} devices plus a trainer of mesh.trainer.tensor={t_t}")
+  notes = list(profile.notes) if profile is not None else [
+      "no --profile: roofline priors for the model preset on " + device.name]
+  staleness_values = list(staleness_values or [rl.max_staleness])
+  inflight_values = list(inflight_values or [rl.max_inflight_groups])
+  if rl.mode == "sync" and (len(staleness_values) > 1 or len(inflight_values) > 1):
+    notes.append("sync mode: staleness bound 0 and one batch in flight; sweeps ignored")
+    staleness_values, inflight_values = [rl.max_staleness], [rl.max_inflight_groups]
+  model_cfg, params = model_shape(cfg)
+  common = dict(profile=profile, model_cfg=model_cfg, params=params, device=device,
+                memory_gib=memory_gib or device.memory_gib,
+                num_steps=min(int(rl.total_steps), max_steps), max_discard_rate=max_discard_rate)
+  cands = []
+  for layout in options:
+    for staleness in staleness_values:
+      for inflight in inflight_values:
+        limit = (staleness + 1) * rl.groups_per_step if inflight < 0 else inflight
+        cands.append(evaluate(cfg, layout=layout, max_staleness=staleness,
+                              max_inflight_groups=limit, **common))
+  cands.sort(key=lambda c: (bool(c.rejected), -c.useful_per_hour))
+  best = cands[0] if not cands[0].rejected else None
+  sensitivity = []
+  if best is not None:
+    for name, kw in (("2x longer responses", dict(length_scale=2.0)),
+                     ("2x slower verification", dict(verifier_scale=2.0))):
+      alt = [evaluate(cfg, layout=lay, max_staleness=best.max_staleness,
+                      max_inflight_groups=best.max_inflight_groups, **common, **kw)
+             for lay in options]
+      same = next(c for c in alt if c.layout == best.layout)
+      ok = [c for c in alt if not c.rejected]
+      top = max(ok, key=lambda c: c.useful_per_hour) if ok else None
+      sensitivity.append({
+          "case": name, "candidate": same,
+          "change": same.useful_per_hour / best.useful_per_hour - 1,
+          "best_layout": top.layout.label if top else "none",
+      })
+  return Plan(devices=devices, mode=rl.mode, candidates=cands, recommended=best,
+              sensitivity=sensitivity, notes=notes)
+
+
+def validate(pilot, profile, *, device: DeviceSpec = DEVICES["h200"]) -> list[dict]:
+  """Predicted vs observed steady state of the pilot's own configuration.
+
+  Each entry: metric, predicted, observed, rel_err = (predicted - observed) / observed
+  (None when observed is 0).
+  """
+  model_cfg, params = model_shape(pilot.cfg)
+  sc = scenario(pilot.cfg, layout=pilot_layout(pilot.cfg), profile=profile, model_cfg=model_cfg,
+                params=params, device=device, num_steps=pilot.rows[-1]["step"])
+  predicted = profile_lib.steady_state(simulate(sc).rows)
+  observed = profile_lib.steady_state(pilot.rows)
+  out = []
+  for key in ("steps_per_hour", "queue_depth_mean", "staleness_mean", "sampler_busy_frac",
+              "trainer_busy_frac", "discard_rate"):
+    p, o = predicted[key], observed[key]
+    out.append({"metric": key, "predicted": p, "observed": o,
+                "rel_err": (p - o) / o if o else None})
+  return out
+
+
+def overrides(cfg, cand: Candidate) -> list[str]:
+  """The --config flags that run `cand` with launch/train.py."""
+  t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
+  lay = cand.layout
+  replicas = lay.sampler_devices // t_s
+  slots = cfg.sampler.max_concurrent_decodes // int(cfg.mesh.sampler.get("data", 1))
+  flags = [f"--config.mesh.colocated={str(lay.colocated).lower()}",
+           f"--config.mesh.sampler.data={replicas}", f"--config.mesh.sampler.tensor={t_s}",
+           "--config.mesh.trainer.data=1", f"--config.mesh.trainer.fsdp={lay.trainer_devices // t_t}",
+           f"--config.mesh.trainer.tensor={t_t}",
+           f"--config.sampler.max_concurrent_decodes={replicas * slots}"]
+  if cfg.rl.mode == "async":
+    flags += [f"--config.rl.max_staleness={cand.max_staleness}",
+              f"--config.rl.max_inflight_groups={cand.max_inflight_groups}"]
+  return flags

@@ -1,0 +1,335 @@
+"""Fit the planner's models from a pilot run, and read a run's steady state.
+
+A pilot workdir (written by rl_jax.orchestration.loop) holds metrics.jsonl (one row per
+logged step), summary.json and config.json. Rows are cumulative-friendly: time_s and the
+busy fractions let any window be measured, so the first rows (compilation, empty
+queue) are left out: the window is every row after the first `skip` = max(1, 10%).
+
+Fits (row i of the window, dt_i = time_s_i - time_s_{i-1}, busy_i = the busy seconds
+of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{i-1}):
+
+  sampler   with sampler/decode_steps: step_i = busy_i / decode_steps_i,
+            active_i = tokens_i / decode_steps_i (tokens_i = sampler/tokens_per_s * dt_i),
+            then non-negative least squares of step_i on [1, active_i / R,
+            active_i * context_i / R], kept when it explains 20% more than a constant.
+            Without decode steps the active count is unknown, so a constant step time is
+            calibrated instead: simulate the pilot and rescale until the simulated sampler
+            busy time matches the observed one.
+  trainer   train_i = trainer busy_i - weight-sync seconds in the interval (or
+            trainer/step_time_s * steps); non-negative least squares of train_i on
+            [steps_i, padded_tokens_i] gives fixed_s and 1 / rate; padded tokens are
+            trainer/padded_tokens when logged, else rows x bucket(prompt + lengths/p99).
+            The rate is divided by D_eff of the pilot's trainer devices.
+  lengths   summary completion_lengths when present (empirical), else a lognormal:
+            median = median of lengths/p50, sigma = ln(p90 / p50) / 1.2816, or from the
+            truncation rate when p90 sits at the cap; drift = exp(slope) - 1 of
+            ln(p50) against step, kept when the slope exceeds two standard errors.
+  verifier  summary verifier_latencies_s when present (empirical), else a lognormal
+            with median p50 and sigma = ln(p95 / p50) / 1.645 from latency/verifier_*.
+  sync      summary weight_sync_s_mean.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+
+import numpy as np
+
+from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel
+from rl_jax.tasks.latency import Latency
+
+
+class ProfileError(ValueError):
+  """A pilot workdir that cannot be read or fitted: one sentence naming the file."""
+
+
+@dataclasses.dataclass
+class Pilot:
+  """A finished run: its config, per-step rows (sorted by step) and summary."""
+  workdir: str
+  cfg: object
+  rows: list[dict]
+  summary: dict
+
+
+@dataclasses.dataclass
+class Profile:
+  """Models fitted from a pilot, in the units of rl_jax.planner.models."""
+  sampler: SamplerModel
+  trainer: TrainerModel
+  lengths: LengthModel
+  verifier_latency: Latency
+  weight_sync_s: float
+  prompt_tokens: int
+  sampler_tensor: int  # the sampler's tensor-parallel size in the pilot
+  notes: list[str]
+  # True when the pilot logged no decode-step counts: `sampler` is a first guess that
+  # rl_jax.planner.capacity.load_profile calibrates by simulating the pilot.
+  needs_calibration: bool = False
+
+
+def load_pilot(workdir: str, *, flag: str = "--profile", cfg=None) -> Pilot:
+  """Reads a workdir; `cfg` is used when it has no config.json."""
+  from rl_jax import config as config_lib
+  import ml_collections
+
+  if not os.path.isdir(workdir):
+    raise ProfileError(f"{flag}: directory {workdir!r} does not exist")
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(metrics):
+    raise ProfileError(f"{flag}: {metrics} is missing; pass the --workdir of a finished "
+                       f"launch/train.py run")
+  rows = []
+  with open(metrics) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        raise ProfileError(f"{flag}: {metrics}:{n} is not a JSON object") from None
+      if "time_s" in row:  # the final held-out row carries no pipeline metrics
+        rows.append(row)
+  rows.sort(key=lambda r: r["step"])
+  if len(rows) < 3:
+    raise ProfileError(f"{flag}: {metrics} has {len(rows)} step rows; a pilot needs at least 3")
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = {}
+  if os.path.isfile(summary_path):
+    with open(summary_path) as f:
+      summary = json.load(f)
+  config_path = os.path.join(workdir, "config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      cfg = ml_collections.ConfigDict(json.load(f))
+    config_lib.check_fields(cfg, config_lib.base_config())
+  elif cfg is None:
+    raise ProfileError(f"{flag}: {config_path} is missing and no --config was given")
+  return Pilot(workdir=workdir, cfg=cfg, rows=rows, summary=summary)
+
+
+def window(rows: list[dict], skip_frac: float = 0.1) -> tuple[dict, list[dict]]:
+  """(base row, window rows): the rows after the first max(1, skip_frac * n)."""
+  skip = max(1, int(len(rows) * skip_frac))
+  return rows[skip - 1], rows[skip:]
+
+
+def _busy_s(row: dict, key: str) -> float:
+  return row.get(key, 0.0) * row["time_s"]
+
+
+def steady_state(rows: list[dict], *, skip_frac: float = 0.1) -> dict[str, float]:
+  """Rates and means over the window; the same for a pilot's and a simulated run's rows.
+
+    steps_per_hour     = (step_last - step_base) / (time_last - time_base) * 3600
+    <role>_busy_frac   = (busy_s_last - busy_s_base) / (time_last - time_base)
+    queue_depth_mean   = mean of queue/depth (sampled after each step, as loop.py logs it)
+    staleness_mean     = mean of staleness/mean (each row: mean over its trained batch)
+    discard_rate       = discarded / (discarded + accepted) groups in the window
+  """
+  base, win = window(rows, skip_frac)
+  last = win[-1]
+  span = max(last["time_s"] - base["time_s"], 1e-12)
+  discarded = last.get("staleness/discarded", 0) - base.get("staleness/discarded", 0)
+  accepted = last.get("staleness/accepted", 0) - base.get("staleness/accepted", 0)
+  return {
+      "steps_per_hour": (last["step"] - base["step"]) / span * 3600,
+      "sampler_busy_frac": (_busy_s(last, "sampler/busy_frac") -
+                            _busy_s(base, "sampler/busy_frac")) / span,
+      "trainer_busy_frac": (_busy_s(last, "trainer/busy_frac") -
+                            _busy_s(base, "trainer/busy_frac")) / span,
+      "queue_depth_mean": float(np.mean([r.get("queue/depth", 0) for r in win])),
+      "staleness_mean": float(np.mean([r.get("staleness/mean", 0.0) for r in win])),
+      "discard_rate": discarded / max(discarded + accepted, 1),
+  }
+
+
+def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """argmin ||a x - y|| subject to x >= 0, by trying every column subset (few columns)."""
+  n = a.shape[1]
+  best, best_err = np.zeros(n), float(np.sum(y * y))
+  for mask in range(1, 2**n):
+    cols = [j for j in range(n) if mask >> j & 1]
+    x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+    if np.any(x < 0):
+      continue
+    err = float(np.sum((a[:, cols] @ x - y) ** 2))
+    if err < best_err:
+      best = np.zeros(n)
+      best[cols] = x
+      best_err = err
+  return best
+
+
+def _median(rows, key) -> float | None:
+  values = [r[key] for r in rows if r.get(key) is not None]
+  return float(np.median(values)) if values else None
+
+
+def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
+  """Completion-length model (module docstring)."""
+  cap = int(pilot.cfg.sampler.max_new_tokens)
+  raw = pilot.summary.get("completion_lengths")
+  if raw:
+    notes.append(f"lengths: empirical, {len(raw)} completions from summary.json")
+    return LengthModel(kind="empirical", max_tokens=cap, values=tuple(float(v) for v in raw))
+  _, win = window(pilot.rows)
+  p50 = _median(win, "lengths/p50")
+  p90 = _median(win, "lengths/p90")
+  if not p50:
+    raise ProfileError(f"--profile: {pilot.workdir}/metrics.jsonl has no lengths/p50 values")
+  if p90 and p90 < cap and p90 > p50:
+    sigma = math.log(p90 / p50) / 1.2816
+  else:
+    trunc = min(max(_median(win, "lengths/truncation_rate") or 0.0, 1e-3), 0.5)
+    z = statistics.NormalDist().inv_cdf(1 - trunc)
+    sigma = max(math.log(cap / p50), 1e-3) / max(z, 1e-3)
+  steps = np.asarray([r["step"] for r in pilot.rows if r.get("lengths/p50")], np.float64)
+  logs = np.log([r["lengths/p50"] for r in pilot.rows if r.get("lengths/p50")])
+  drift = 0.0
+  if len(steps) >= 5 and np.ptp(steps) > 0:
+    slope, intercept = np.polyfit(steps, logs, 1)
+    resid = logs - (slope * steps + intercept)
+    se = math.sqrt(float(np.sum(resid**2)) / (len(steps) - 2) /
+                   float(np.sum((steps - steps.mean())**2)))
+    if abs(slope) > 2 * se:
+      drift = math.exp(slope) - 1
+      notes.append(f"lengths: median drifts {100 * drift:+.2f}% per optimizer step")
+  notes.append(f"lengths: lognormal median {p50:.3g} sigma {sigma:.2f} (from percentiles; "
+               f"summary.json has no completion_lengths)")
+  return LengthModel(kind="lognormal", max_tokens=cap, median=p50, sigma=sigma,
+                     drift_per_step=drift)
+
+
+def fit_verifier(pilot: Pilot, notes: list[str]) -> Latency:
+  """Verifier-call latency model (module docstring)."""
+  raw = pilot.summary.get("verifier_latencies_s")
+  if raw:
+    notes.append(f"verifier: empirical, {len(raw)} calls from summary.json")
+    return Latency(kind="empirical", values=tuple(float(v) for v in raw))
+  _, win = window(pilot.rows)
+  p50 = _median(win, "latency/verifier_p50")
+  p95 = _median(win, "latency/verifier_p95")
+  if not p50 or p50 <= 0:
+    notes.append("verifier: no latency/verifier_p50 in metrics.jsonl; verification taken as instant")
+    return Latency(kind="none")
+  sigma = math.log(p95 / p50) / 1.645 if p95 and p95 > p50 else 1e-3
+  notes.append(f"verifier: lognormal median {p50:.3g}s sigma {sigma:.2f} (from percentiles)")
+  return Latency(kind="lognormal", mean_s=p50 * math.exp(sigma**2 / 2), sigma=sigma)
+
+
+def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
+                scaling_efficiency: float, notes: list[str]) -> TrainerModel:
+  """Optimizer-step time model (module docstring)."""
+  from rl_jax.planner.memory import pick_bucket
+  cfg = pilot.cfg
+  base, win = window(pilot.rows)
+  batch = cfg.rl.groups_per_step * cfg.rl.group_size
+  prev, a, y = base, [], []
+  for row in win:
+    steps = row["step"] - prev["step"]
+    if "trainer/step_time_s" in row:
+      train = row["trainer/step_time_s"] * steps
+    else:
+      busy = _busy_s(row, "trainer/busy_frac") - _busy_s(prev, "trainer/busy_frac")
+      syncs = steps / cfg.rl.weight_sync_every
+      train = busy - syncs * row.get("weight_sync/duration_s", 0.0)
+    if "trainer/padded_tokens" in row:
+      tokens = row["trainer/padded_tokens"]
+    else:
+      longest = prompt_tokens + row.get("lengths/p99", cfg.sampler.max_new_tokens)
+      tokens = steps * batch * pick_bucket(int(math.ceil(longest)), cfg.trainer.length_buckets)
+    a.append([steps, tokens])
+    y.append(max(train, 0.0))
+    prev = row
+  a, y = np.asarray(a, np.float64), np.asarray(y, np.float64)
+  if "trainer/padded_tokens" not in win[-1]:
+    notes.append("trainer: no trainer/padded_tokens in metrics.jsonl; estimated from lengths/p99")
+  fixed, inv_rate = nnls(a, y)
+  if inv_rate <= 0:
+    # Token counts too uniform to separate the two terms: charge the time to tokens,
+    # which is the conservative reading for longer responses.
+    inv_rate, fixed = float(np.sum(y) / np.sum(a[:, 1])), 0.0
+    notes.append("trainer: step time not separable into fixed + per-token; all per-token")
+  eff = 1.0 + scaling_efficiency * (trainer_devices - 1)
+  return TrainerModel(fixed_s=float(fixed), tokens_per_s_per_device=1.0 / (inv_rate * eff),
+                      scaling_efficiency=scaling_efficiency)
+
+
+def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel,
+                       replicas: int, notes: list[str]) -> SamplerModel | None:
+  """Regression on per-row decode steps; None when the pilot did not log them."""
+  base, win = window(pilot.rows)
+  if "sampler/decode_steps" not in win[-1]:
+    return None
+  mean_len = float(np.mean(lengths.sample(np.random.default_rng(0), 4096)))
+  prev, a, y = base, [], []
+  for row in win:
+    steps = row.get("sampler/decode_steps", 0)
+    busy = _busy_s(row, "sampler/busy_frac") - _busy_s(prev, "sampler/busy_frac")
+    tokens = row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
+    prev = row
+    if steps <= 0 or busy <= 0:
+      continue
+    active = tokens / steps
+    ctx = row.get("sampler/mean_context", prompt_tokens + mean_len / 2)
+    a.append([1.0, active / replicas, active * ctx / replicas])
+    y.append(busy / steps)
+  if len(y) < 3:
+    return None
+  a, y = np.asarray(a), np.asarray(y)
+  const = float(np.mean(y))
+  x = nnls(a, y)
+  sse_const = float(np.sum((y - const) ** 2))
+  sse_fit = float(np.sum((a @ x - y) ** 2))
+  if sse_const > 0 and sse_fit <= 0.8 * sse_const:
+    notes.append(f"sampler: step = {x[0]:.3g} + {x[1]:.3g} n/R + {x[2]:.3g} ctx/R s")
+    return SamplerModel(base_s=float(x[0]), per_seq_s=float(x[1]), per_ctx_token_s=float(x[2]))
+  notes.append(f"sampler: constant decode step {const:.3g}s (active/context explain little)")
+  return SamplerModel(base_s=const, per_seq_s=0.0, per_ctx_token_s=0.0)
+
+
+def observed_sampler_busy_per_step(pilot: Pilot) -> float:
+  """Sampler busy seconds per optimizer step over the window."""
+  base, win = window(pilot.rows)
+  last = win[-1]
+  return ((_busy_s(last, "sampler/busy_frac") - _busy_s(base, "sampler/busy_frac")) /
+          max(last["step"] - base["step"], 1))
+
+
+def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
+  """Fits every model except a sampler without decode-step counts (see calibrate)."""
+  cfg = pilot.cfg
+  notes: list[str] = []
+  prompt = pilot.summary.get("prompt_tokens_mean") or _median(pilot.rows, "lengths/prompt_mean")
+  if prompt is None:
+    prompt = cfg.data.max_prompt_length
+    notes.append(f"prompt length: not logged; using data.max_prompt_length = {prompt}")
+  prompt = int(round(prompt))
+  replicas = int(cfg.mesh.sampler.get("data", 1))
+  trainer_devices = math.prod(int(v) for v in dict(cfg.mesh.trainer).values())
+  lengths = fit_lengths(pilot, notes)
+  verifier = fit_verifier(pilot, notes)
+  trainer = fit_trainer(pilot, prompt_tokens=prompt, trainer_devices=trainer_devices,
+                        scaling_efficiency=scaling_efficiency, notes=notes)
+  sampler = fit_sampler_direct(pilot, prompt_tokens=prompt, lengths=lengths,
+                               replicas=replicas, notes=notes)
+  needs_calibration = sampler is None
+  if needs_calibration:
+    # A first guess for calibration: every slot busy, step = busy / (tokens / slots).
+    base, win = window(pilot.rows)
+    busy = _busy_s(win[-1], "sampler/busy_frac") - _busy_s(base, "sampler/busy_frac")
+    tokens = sum(r["sampler/tokens_per_s"] * (r["time_s"] - p["time_s"])
+                 for p, r in zip([base] + win[:-1], win))
+    guess = busy * cfg.sampler.max_concurrent_decodes / max(tokens, 1.0)
+    sampler = SamplerModel(base_s=max(guess, 1e-6), per_seq_s=0.0, per_ctx_token_s=0.0)
+  sync_s = pilot.summary.get("weight_sync_s_mean")
+  if sync_s is None:
+    sync_s = float(np.mean([r.get("weight_sync/duration_s", 0.0) for r in pilot.rows]))
+  return Profile(sampler=sampler, trainer=trainer, lengths=lengths, verifier_latency=verifier,
+                 weight_sync_s=float(sync_s), prompt_tokens=prompt,
+                 sampler_tensor=int(cfg.mesh.sampler.get("tensor", 1)), notes=notes,
+                 needs_calibration=needs_calibration)

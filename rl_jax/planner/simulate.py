@@ -1,0 +1,538 @@
+"""Discrete-event simulation of the sync / async GRPO pipeline of rl_jax.orchestration.loop.
+
+Events live on a heapq ordered by time; all draws come from one seeded numpy Generator,
+so a Scenario always gives the same Prediction. What is simulated, as loop.py does it:
+
+  admission   the sampler admits a group (G sequences) at a decode-step boundary while
+              its slots have room (active + pending < slots) and the queue allows it:
+              in-flight + queued + 1 <= min(max_inflight_groups, queue_maxsize).
+              sync: only groups_per_step groups per policy version, and only once the
+              sampler holds the trainer's current version (the barrier).
+  sampling    continuous batching: sequences start when a slot frees, each decode step
+              emits one token per active sequence and takes SamplerModel.step_s(n, ctx).
+              Between two events the active set is fixed, so k steps take
+                T(k) = k * A + g * k (k - 1) / 2,
+                A = base + per_seq n / R + per_ctx ctx / R,  g = per_ctx n / R
+              (every step adds n context tokens), and the simulation jumps straight to the
+              next completion instead of stepping token by token.
+  versions    a sequence's behaviour version is the sampler's version at its first token;
+              with inflight_weight_updates later tokens carry newer versions, which does
+              not change min(token_versions). A publication reaches the sampler at its next
+              step boundary; without inflight updates the sampler stops admitting until its
+              running sequences drain, then swaps.
+  verifying   a finished rollout joins the verifier pool (workers servers, FIFO); a group
+              enters the queue when all G rollouts are verified.
+  training    the trainer takes groups in queue order, discards those with staleness =
+              trainer_version - min version > bound (bound 0 in sync), trains on
+              groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then
+              every weight_sync_every steps bumps the version and publishes for
+              weight_sync_s (trainer busy throughout).
+  colocated   one device set: the sampler pauses at its next step boundary while the
+              trainer trains or publishes.
+
+Per optimizer step the simulation writes a row with loop.py's metric names (time_s,
+queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, ...), so the same
+steady-state estimator reads a simulated run and a pilot's metrics.jsonl.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+
+import numpy as np
+
+from rl_jax.planner.memory import pick_bucket
+from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, VerifierModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+  """Everything one simulated run needs. `decode_slots` counts all replicas' slots."""
+  mode: str
+  groups_per_step: int
+  group_size: int
+  max_staleness: int
+  max_inflight_groups: int
+  queue_maxsize: int
+  weight_sync_every: int
+  inflight_weight_updates: bool
+  num_steps: int
+  prompt_tokens: int
+  length_buckets: tuple[int, ...]
+  batch_multiple: int
+  lengths: LengthModel
+  verifier: VerifierModel
+  sampler: SamplerModel
+  sampler_replicas: int
+  decode_slots: int
+  trainer: TrainerModel
+  trainer_devices: int
+  weight_sync_s: float
+  colocated: bool = False
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class Prediction:
+  """What a simulated run measured; rates are over the whole run [0, wall_s]."""
+  wall_s: float
+  optimizer_steps: int
+  steps_per_hour: float
+  rollouts_generated: int
+  rollouts_trained: int
+  rollouts_discarded: int
+  trained_rollouts_per_hour: float  # useful: discarded rollouts excluded
+  generated_rollouts_per_hour: float
+  discard_rate: float  # discarded groups / consumed groups
+  sampler_busy_frac: float
+  trainer_busy_frac: float
+  verifier_busy_frac: float
+  verifier_wait_mean_s: float
+  queue_depth_mean: float  # time average
+  queue_depth_max: int
+  rollout_age_mean_s: float  # admission -> consumption of accepted groups
+  staleness_mean: float
+  staleness_histogram: dict[int, int]
+  active_sequences_mean: float
+  sampler_tokens_per_s: float
+  trainer_padded_tokens_per_s: float  # rows x length bucket, what the train step computes
+  weight_sync_frac: float  # share of wall time the trainer spent publishing
+  rows: list[dict]
+
+
+class EventQueue:
+  """Time-ordered events; ties keep insertion order."""
+
+  def __init__(self):
+    self._heap: list = []
+    self._n = 0
+
+  def push(self, time: float, kind: str, payload=None) -> None:
+    heapq.heappush(self._heap, (time, self._n, kind, payload))
+    self._n += 1
+
+  def pop(self):
+    time, _, kind, payload = heapq.heappop(self._heap)
+    return time, kind, payload
+
+  def __bool__(self) -> bool:
+    return bool(self._heap)
+
+
+class ServerPool:
+  """`servers` identical servers with one FIFO waiting line (the verifier pool).
+
+  arrive() returns the finish time when the item starts at once, else None (it waits);
+  depart() frees a server and returns (finish time, item) of the next waiter, if any.
+  """
+
+  def __init__(self, servers: int):
+    self.free = servers
+    self.servers = servers
+    self.line: collections.deque = collections.deque()
+    self.wait_total_s = 0.0
+    self.service_total_s = 0.0
+    self.started = 0
+
+  def arrive(self, now: float, item, service_s: float) -> float | None:
+    if self.free:
+      self.free -= 1
+      self.started += 1
+      self.service_total_s += service_s
+      return now + service_s
+    self.line.append((now, item, service_s))
+    return None
+
+  def depart(self, now: float):
+    if self.line:
+      arrived, item, service_s = self.line.popleft()
+      self.wait_total_s += now - arrived
+      self.started += 1
+      self.service_total_s += service_s
+      return now + service_s, item
+    self.free += 1
+    return None
+
+  @property
+  def mean_wait_s(self) -> float:
+    return self.wait_total_s / max(self.started, 1)
+
+
+@dataclasses.dataclass
+class _Group:
+  admitted: float
+  lengths: np.ndarray
+  min_version: float = math.inf
+  verified: int = 0
+
+
+@dataclasses.dataclass
+class _Segment:
+  """Decode steps the sampler runs with a fixed active set, from t0."""
+  t0: float
+  prefill_s: float
+  steps: int
+  a_s: float
+  g_s: float
+  token: int
+
+  def duration(self, steps: int) -> float:
+    return self.prefill_s + steps * self.a_s + self.g_s * steps * (steps - 1) / 2
+
+  def steps_done(self, elapsed: float) -> int:
+    """Whole steps finished after `elapsed` seconds: largest j with duration(j) <= elapsed."""
+    e = elapsed - self.prefill_s
+    if e <= 0:
+      return 0
+    if self.g_s > 0:
+      half = self.g_s / 2
+      lin = self.a_s - half
+      j = int((-lin + math.sqrt(lin * lin + 4 * half * e)) / (2 * half))
+    else:
+      j = int(e / self.a_s)
+    while j > 0 and self.duration(j) > elapsed:
+      j -= 1
+    while self.duration(j + 1) <= elapsed:
+      j += 1
+    return min(j, self.steps)
+
+
+class _Sim:
+  """One run of a Scenario; `run()` returns its Prediction."""
+
+  def __init__(self, sc: Scenario):
+    if sc.mode not in ("sync", "async"):
+      raise ValueError(f"mode must be sync or async, got {sc.mode!r}")
+    probe = sc.sampler.step_s(active=1, context_tokens=sc.prompt_tokens, replicas=sc.sampler_replicas)
+    if not probe > 0:
+      raise ValueError(f"sampler step time must be > 0, got {probe} from {sc.sampler}")
+    self.sc = sc
+    self.rng = np.random.default_rng(sc.seed)
+    self.events = EventQueue()
+    self.sync = sc.mode == "sync"
+    self.bound = 0 if self.sync else sc.max_staleness
+    # loop.py: sync mode caps in-flight work at exactly one batch of groups.
+    self.max_inflight = sc.groups_per_step if self.sync else sc.max_inflight_groups
+    self.pool = ServerPool(sc.verifier.workers)
+    # Sampler state: parallel arrays over active sequences, then the pending line.
+    self.rem = np.zeros(0, np.int64)
+    self.ctx = np.zeros(0, np.int64)
+    self.gid = np.zeros(0, np.int64)
+    self.pending: collections.deque = collections.deque()
+    self.segment: _Segment | None = None
+    self.token = 0
+    self.held = False  # colocated: paused while the trainer runs
+    self.sampler_version = 0
+    self.pending_version: int | None = None
+    self.admitted_for_version: collections.Counter = collections.Counter()
+    self.groups: dict[int, _Group] = {}
+    self.next_gid = 0
+    self.inflight = 0
+    self.queue: collections.deque = collections.deque()
+    # Trainer state.
+    self.version = 0
+    self.step = 0
+    self.batch: list[_Group] = []
+    self.batch_staleness: list[int] = []
+    self.trainer_busy = False
+    self.train_start = 0.0
+    self.done = False
+    # Accounting.
+    self.sampler_busy_s = 0.0
+    self.trainer_busy_s = 0.0
+    self.sync_busy_s = 0.0
+    self.sampler_tokens = 0
+    self.trainer_tokens = 0
+    self.generated = 0
+    self.trained = 0
+    self.discarded_groups = 0
+    self.accepted_groups = 0
+    self.age_total_s = 0.0
+    self.hist: collections.Counter = collections.Counter()
+    self.q_area = 0.0
+    self.q_max = 0
+    self.active_area = 0.0
+    self.last_change = 0.0
+    self.rows: list[dict] = []
+    self.last_row = (0.0, 0, 0)
+
+  # -- sampler ---------------------------------------------------------------------
+
+  def _note_change(self, now: float) -> None:
+    """Integrates queue depth and active sequences up to `now`."""
+    dt = now - self.last_change
+    self.q_area += len(self.queue) * dt
+    self.active_area += len(self.rem) * (dt if self.segment is not None else 0.0)
+    self.last_change = now
+
+  def _can_admit(self) -> bool:
+    sc = self.sc
+    if len(self.rem) + len(self.pending) >= sc.decode_slots:
+      return False
+    outstanding = self.inflight + len(self.queue) + 1
+    if outstanding > self.max_inflight or outstanding > sc.queue_maxsize:
+      return False
+    if self.pending_version is not None and not sc.inflight_weight_updates:
+      return False  # draining for a weight swap
+    if self.sync:
+      v = self.sampler_version
+      return v == self.version and self.admitted_for_version[v] < sc.groups_per_step
+    return True
+
+  def _admit(self, now: float) -> None:
+    sc = self.sc
+    while self._can_admit():
+      if self.sync:
+        self.admitted_for_version[self.sampler_version] += 1
+      gid = self.next_gid
+      self.next_gid += 1
+      lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
+      self.groups[gid] = _Group(admitted=now, lengths=lengths)
+      self.inflight += 1
+      self.pending.extend((gid, int(n)) for n in lengths)
+
+  def _boundary(self, now: float, steps: int) -> None:
+    """The sampler reached a step boundary after `steps` steps of its segment."""
+    sc = self.sc
+    self._note_change(now)
+    seg, self.segment = self.segment, None
+    if seg is not None:
+      self.sampler_busy_s += now - seg.t0
+      self.rem -= steps
+      self.ctx += steps
+      self.sampler_tokens += steps * len(self.rem)
+      done = self.rem <= 0
+      if done.any():
+        for g in self.gid[done]:
+          self._rollout_finished(now, int(g))
+        keep = ~done
+        self.rem, self.ctx, self.gid = self.rem[keep], self.ctx[keep], self.gid[keep]
+    if self.pending_version is not None and (sc.inflight_weight_updates or len(self.rem) == 0):
+      self.sampler_version, self.pending_version = self.pending_version, None
+    if self.held or self.done:
+      return
+    self._admit(now)
+    free = sc.decode_slots - len(self.rem)
+    starting = [self.pending.popleft() for _ in range(min(free, len(self.pending)))]
+    for g, _ in starting:
+      group = self.groups[g]
+      group.min_version = min(group.min_version, self.sampler_version)
+    if starting:
+      self.rem = np.concatenate([self.rem, [n for _, n in starting]])
+      self.ctx = np.concatenate([self.ctx, np.full(len(starting), sc.prompt_tokens)])
+      self.gid = np.concatenate([self.gid, [g for g, _ in starting]])
+    if len(self.rem) == 0:
+      return
+    n, r, m = len(self.rem), sc.sampler_replicas, sc.sampler
+    a_s = m.base_s + m.per_seq_s * n / r + m.per_ctx_token_s * float(self.ctx.sum()) / r
+    self.token += 1
+    self.segment = _Segment(
+        t0=now, prefill_s=m.prefill_per_token_s * sc.prompt_tokens * len(starting) / r,
+        steps=int(self.rem.min()), a_s=a_s, g_s=m.per_ctx_token_s * n / r, token=self.token)
+    self.events.push(now + self.segment.duration(self.segment.steps), "sampler",
+                     (self.token, self.segment.steps))
+
+  def _poke(self, now: float, force: bool = False) -> None:
+    """Something the sampler checks between steps changed: stop at the next boundary.
+
+    Only worth it when the sampler could act on it (idle, or a slot is free) or when
+    `force`d (colocated trainer start); otherwise the next completion is soon enough.
+    """
+    seg = self.segment
+    if seg is None:
+      if not self.held:
+        self._boundary(now, 0)
+      return
+    if not force and len(self.rem) + len(self.pending) >= self.sc.decode_slots:
+      return
+    target = min(seg.steps_done(now - seg.t0) + 1, seg.steps)
+    if target < seg.steps:
+      seg.steps = target
+      self.token += 1
+      seg.token = self.token
+      self.events.push(seg.t0 + seg.duration(target), "sampler", (self.token, target))
+
+  # -- verifier and queue ------------------------------------------------------------
+
+  def _rollout_finished(self, now: float, gid: int) -> None:
+    self.generated += 1
+    finish = self.pool.arrive(now, gid, self.sc.verifier.service_s(self.rng))
+    if finish is not None:
+      self.events.push(finish, "verified", gid)
+
+  def _verified(self, now: float, gid: int) -> None:
+    nxt = self.pool.depart(now)
+    if nxt is not None:
+      self.events.push(nxt[0], "verified", nxt[1])
+    group = self.groups[gid]
+    group.verified += 1
+    if group.verified == self.sc.group_size:
+      self._note_change(now)
+      self.inflight -= 1
+      self.queue.append(gid)
+      self.q_max = max(self.q_max, len(self.queue))
+      if not self.trainer_busy:
+        self._pull(now)
+
+  # -- trainer -----------------------------------------------------------------------
+
+  def _pull(self, now: float) -> None:
+    """Dequeues eligible groups into the batch; starts the step when it is full."""
+    sc = self.sc
+    took = False
+    self._note_change(now)
+    while self.queue and len(self.batch) < sc.groups_per_step:
+      gid = self.queue.popleft()
+      took = True
+      group = self.groups.pop(gid)
+      staleness = self.version - int(group.min_version)
+      if staleness > self.bound:
+        self.discarded_groups += 1
+        continue
+      self.accepted_groups += 1
+      self.hist[staleness] += 1
+      self.age_total_s += now - group.admitted
+      self.batch.append(group)
+      self.batch_staleness.append(staleness)
+    if len(self.batch) == sc.groups_per_step:
+      rows = -(-sc.groups_per_step * sc.group_size // sc.batch_multiple) * sc.batch_multiple
+      longest = max(int(g.lengths.max()) for g in self.batch) + sc.prompt_tokens
+      tokens = rows * pick_bucket(longest, sc.length_buckets)
+      self.trainer_tokens += tokens
+      self.trained += sc.groups_per_step * sc.group_size
+      self.trainer_busy = True
+      self.train_start = now
+      self.events.push(now + sc.trainer.step_s(tokens=tokens, devices=sc.trainer_devices), "trained")
+      if sc.colocated:
+        self.held = True
+        self._poke(now, force=True)
+    elif took:
+      self._poke(now)
+
+  def _trained(self, now: float) -> None:
+    sc = self.sc
+    self.step += 1
+    if self.step % sc.weight_sync_every == 0:
+      self.version += 1
+      self.events.push(now + sc.weight_sync_s, "published", now)
+    else:
+      self._step_done(now, published_s=0.0)
+
+  def _step_done(self, now: float, published_s: float) -> None:
+    self.trainer_busy = False
+    self.trainer_busy_s += now - self.train_start
+    self.sync_busy_s += published_s
+    if self.step % self.sc.weight_sync_every == 0:
+      self.pending_version = self.version
+    self._write_row(now, published_s)
+    self.batch, self.batch_staleness = [], []
+    if self.step >= self.sc.num_steps:
+      self.done = True
+      return
+    if self.held:
+      self.held = False
+      self._poke(now)
+    elif self.pending_version is not None:
+      self._poke(now)
+    self._pull(now)
+
+  def _write_row(self, now: float, published_s: float) -> None:
+    self._note_change(now)
+    t_prev, samp_prev, train_prev = self.last_row
+    dt = max(now - t_prev, 1e-12)
+    busy_s = self.sampler_busy_s + (now - self.segment.t0 if self.segment else 0.0)
+    self.rows.append({
+        "step": self.step, "time_s": now,
+        "sampler/tokens_per_s": (self.sampler_tokens - samp_prev) / dt,
+        "sampler/busy_frac": busy_s / now,
+        "trainer/padded_tokens": self.trainer_tokens - train_prev,
+        "trainer/busy_frac": self.trainer_busy_s / now,
+        "queue/depth": len(self.queue), "queue/inflight_groups": self.inflight,
+        "staleness/mean": float(np.mean(self.batch_staleness)),
+        "staleness/max": int(np.max(self.batch_staleness)),
+        "staleness/discarded": self.discarded_groups,
+        "staleness/accepted": self.accepted_groups,
+        "weight_sync/duration_s": published_s,
+        "weight_sync/version": self.version,
+    })
+    self.last_row = (now, self.sampler_tokens, self.trainer_tokens)
+
+  # -- run ---------------------------------------------------------------------------
+
+  def run(self) -> Prediction:
+    sc = self.sc
+    self._boundary(0.0, 0)
+    now = 0.0
+    while not self.done:
+      if not self.events:
+        raise ValueError(
+            f"the simulated pipeline stalled at step {self.step}: no work can be admitted "
+            f"(max_inflight_groups {self.max_inflight}, queue_maxsize {sc.queue_maxsize}, "
+            f"groups_per_step {sc.groups_per_step})")
+      now, kind, payload = self.events.pop()
+      if kind == "sampler":
+        token, steps = payload
+        if token == self.token and self.segment is not None:
+          self._boundary(now, steps)
+      elif kind == "verified":
+        self._verified(now, payload)
+      elif kind == "trained":
+        self._trained(now)
+      else:
+        self._step_done(now, published_s=now - payload)
+    wall = now
+    self._note_change(wall)
+    sampler_busy = self.sampler_busy_s + (wall - self.segment.t0 if self.segment else 0.0)
+    consumed = self.discarded_groups + self.accepted_groups
+    hours = wall / 3600
+    return Prediction(
+        wall_s=wall, optimizer_steps=self.step, steps_per_hour=self.step / hours,
+        rollouts_generated=self.generated, rollouts_trained=self.trained,
+        rollouts_discarded=self.discarded_groups * sc.group_size,
+        trained_rollouts_per_hour=self.trained / hours,
+        generated_rollouts_per_hour=self.generated / hours,
+        discard_rate=self.discarded_groups / max(consumed, 1),
+        sampler_busy_frac=sampler_busy / wall,
+        trainer_busy_frac=self.trainer_busy_s / wall,
+        verifier_busy_frac=self.pool.service_total_s / (sc.verifier.workers * wall),
+        verifier_wait_mean_s=self.pool.mean_wait_s,
+        queue_depth_mean=self.q_area / wall, queue_depth_max=self.q_max,
+        rollout_age_mean_s=self.age_total_s / max(self.accepted_groups, 1),
+        staleness_mean=(sum(k * v for k, v in self.hist.items()) /
+                        max(sum(self.hist.values()), 1)),
+        staleness_histogram=dict(sorted(self.hist.items())),
+        active_sequences_mean=self.active_area / wall,
+        sampler_tokens_per_s=self.sampler_tokens / wall,
+        trainer_padded_tokens_per_s=self.trainer_tokens / wall,
+        weight_sync_frac=self.sync_busy_s / wall,
+        rows=self.rows)
+
+
+def simulate(scenario: Scenario) -> Prediction:
+  """Runs `scenario` until scenario.num_steps optimizer steps (with their publication)."""
+  return _Sim(scenario).run()
+
+
+def diagnose(pred: Prediction, scenario: Scenario) -> str:
+  """Names the bottleneck, after the seed's eight-GPU exercise.
+
+    trainer-starved  queue mostly empty (mean depth < 1 group) and the trainer idle
+                     half the time or more, while sampling or verification is busy
+    overproducing    staleness near the bound (mean >= bound / 2, bound > 0) with
+                     discards, or a queue averaging at least one batch, with a busy trainer
+    verifier-bound   trainer-starved, and the verifier pool busier than the sampler
+    balanced         neither
+  """
+  starved = pred.queue_depth_mean < 1.0 and pred.trainer_busy_frac < 0.5
+  if starved:
+    if pred.verifier_busy_frac > max(pred.sampler_busy_frac, 0.8):
+      return "verifier-bound"
+    return "trainer-starved"
+  bound = 0 if scenario.mode == "sync" else scenario.max_staleness
+  stale = bound > 0 and pred.staleness_mean >= bound / 2 and pred.discard_rate > 0
+  deep = pred.queue_depth_mean >= scenario.groups_per_step
+  if (stale or deep) and pred.trainer_busy_frac >= 0.7:
+    return "overproducing"
+  return "balanced"

@@ -1,0 +1,439 @@
+"""Continuous-batching rollout generator over the paged Engine.
+
+Shape letters: s decode steps per generate call, b decode slots.
+
+One `step()` is one scheduling iteration:
+  1. swap in weights published by `update_params` (see below);
+  2. fill free slots: a group (one prompt, G samples) is prefilled once when its turn
+     comes and its samples are inserted as slots free up; the samples share the full
+     prompt pages and each gets a private copy of the partial last prompt page;
+  3. give every running sequence the pages its next `steps_per_call` tokens need;
+  4. run one generate call over all slots and hand finished sequences back as
+     rl_jax.types.Rollout objects, freeing their slot and pages at once.
+
+Memory: pages are taken as sequences grow, not reserved for the worst case, so long
+tails do not hold memory they never use. Admission is first-come first-served and waits
+(the group stays pending) while free pages are short. If a running sequence cannot
+grow, the youngest group holding pages is preempted: its running samples are dropped
+and re-run from their prompt later (same seed, so the same tokens under the same
+weights); rollouts it already emitted stay emitted. `add_group` rejects any group that
+could not run alone in the whole pool, so the oldest group always makes progress.
+
+Rollouts: `completion_tokens` include the stop token when finish_reason is "stop", with
+its log-prob and version, so the trainer learns to stop. Every group yields exactly
+num_samples rollouts (finish_reason "aborted" after `abort_all`).
+
+Weight updates: `update_params(params, version)` is the one method safe to call from
+another thread; it stores the weights in a pending slot that the sampler thread swaps
+in at the top of its next `step()` (the latest call wins). With inflight weight updates
+on, running sequences continue on the new weights with their KV kept, and tokens from
+then on carry the new version. With them off, the generator stops starting sequences,
+finishes the running ones on the old weights, then swaps and re-prefills prompts that
+were prefilled under the old weights. Every other method belongs to the sampler thread.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from rl_jax.sampler import engine as engine_lib
+from rl_jax.sampler import page_table as pt
+from rl_jax.types import Rollout
+
+_REASONS = {engine_lib.FINISH_STOP: "stop", engine_lib.FINISH_LENGTH: "length"}
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+  group_id: int
+  prompt: np.ndarray
+  num_samples: int
+  seed: int
+  sampling: engine_lib.Sampling
+  max_new_tokens: int
+  stop_on_eos: bool
+  admitted: float
+  order: int
+  waiting: collections.deque  # sample indices not running and not finished
+  num_full: int  # prompt pages every sample shares
+  partial: bool  # the cached prompt ends inside a page
+  prefix_pages: np.ndarray | None = None  # the group's own references, while it has waiting samples
+  running: int = 0
+  done: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+  group: _Group
+  sample_index: int
+  slot: int
+  pages: list
+  length: int  # tokens in the cache
+  cache_limit: int  # the cache never holds more (the last sampled token is never cached)
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+  first_token: float = 0.0
+
+
+class Generator:
+  """Turns groups (prompt, G, seed) into Rollouts with continuous batching."""
+
+  def __init__(self, engine: engine_lib.Engine, params: Any, *, version: int = 0,
+               inflight_weight_updates: bool = True,
+               sampling: engine_lib.Sampling = engine_lib.Sampling(),
+               max_new_tokens: int | None = None, clock: Callable[[], float] = time.time):
+    self.engine = engine
+    self.inflight_weight_updates = bool(inflight_weight_updates)
+    self.sampling = sampling
+    self.max_new_tokens = engine.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if not 1 <= self.max_new_tokens <= engine.max_new_tokens:
+      raise ValueError(f"max_new_tokens {self.max_new_tokens} outside 1..{engine.max_new_tokens}")
+    self._clock = clock
+    self._params = engine.load_params(params)
+    self._version = int(version)
+    self._pending_params: tuple[Any, int] | None = None
+    self._lock = threading.Lock()
+    self._state = engine.init_decode_state()
+    self.allocator = pt.PageAllocator(num_pages=engine.num_pages, page_size=engine.page_size)
+    self._groups: list[_Group] = []  # unfinished groups, oldest first
+    self._group_ids: set[int] = set()
+    self._slots: list[_Seq | None] = [None] * engine.max_concurrent_decodes
+    self._order = 0
+    self._eval_ids = 0
+    self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
+    self.tokens_generated = 0
+    self.rollouts_finished = 0
+    self.preemptions = 0
+    self.generate_calls = 0
+    self.busy_s = 0.0
+
+  @property
+  def version(self) -> int:
+    """Version of the weights the next generate call uses (before any pending swap)."""
+    return self._version
+
+  @property
+  def num_active(self) -> int:
+    """Sequences occupying a decode slot."""
+    return sum(s is not None for s in self._slots)
+
+  @property
+  def num_pending(self) -> int:
+    """Groups with at least one sample that has not started (or was preempted)."""
+    return sum(1 for g in self._groups if g.waiting)
+
+  @property
+  def kv_pages_used(self) -> int:
+    return self.allocator.num_used
+
+  def has_capacity(self) -> bool:
+    """True if a group added now could start at the next step: no weight swap is
+    draining the slots, and free slots outnumber samples already waiting."""
+    if self._draining():
+      return False
+    waiting = sum(len(g.waiting) for g in self._groups)
+    return self._slots.count(None) > waiting
+
+  def metrics(self) -> dict[str, float]:
+    return {
+        "sampler/tokens_generated": float(self.tokens_generated),
+        "sampler/rollouts_finished": float(self.rollouts_finished),
+        "sampler/active_slots": float(self.num_active),
+        "sampler/pending_groups": float(self.num_pending),
+        "sampler/kv_pages_used": float(self.kv_pages_used),
+        "sampler/kv_pages_total": float(self.allocator.capacity),
+        "sampler/preemptions": float(self.preemptions),
+        "sampler/generate_calls": float(self.generate_calls),
+        "sampler/busy_s": self.busy_s,
+        "sampler/policy_version": float(self._version),
+    }
+
+  def update_params(self, params: Any, version: int) -> None:
+    """Publish new weights; safe from any thread. Swapped in by the next step()."""
+    params = self.engine.load_params(params)
+    with self._lock:
+      self._pending_params = (params, int(version))
+
+  def add_group(self, group_id: int, prompt_tokens, num_samples: int, seed: int, *,
+                sampling: engine_lib.Sampling | None = None, max_new_tokens: int | None = None,
+                stop_on_eos: bool = True) -> None:
+    """Queue G = num_samples completions of one prompt; sample i uses seed (seed, i)."""
+    eng = self.engine
+    prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
+    max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if group_id in self._group_ids:
+      raise ValueError(f"group {group_id} is already in the generator")
+    if num_samples < 1:
+      raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if not 1 <= prompt.shape[0] <= eng.max_prefill_length:
+      raise ValueError(f"prompt of group {group_id} has {prompt.shape[0]} tokens; "
+                       f"sampler.max_prefill_length allows 1..{eng.max_prefill_length}")
+    if not 1 <= max_new <= eng.max_new_tokens:
+      raise ValueError(f"max_new_tokens {max_new} outside 1..{eng.max_new_tokens} "
+                       "(sampler.max_new_tokens)")
+    cached = prompt.shape[0] - 1
+    num_full = cached // eng.page_size
+    per_sample = pt.pages_for(cached + max_new, eng.page_size) - num_full
+    # The full prompt pages, the partial page's template, and every sample's own pages.
+    worst = num_full + bool(cached % eng.page_size) + num_samples * per_sample
+    if worst > self.allocator.capacity:
+      raise ValueError(
+          f"group {group_id} needs up to {worst} KV pages "
+          f"with all {num_samples} samples running, the pool has {self.allocator.capacity}: "
+          "raise sampler.num_pages / kv_cache_bytes or lower max_new_tokens")
+    self._order += 1
+    self._groups.append(_Group(
+        group_id=group_id, prompt=prompt, num_samples=int(num_samples), seed=int(seed),
+        sampling=self.sampling if sampling is None else sampling, max_new_tokens=max_new,
+        stop_on_eos=bool(stop_on_eos), admitted=self._clock(), order=self._order,
+        waiting=collections.deque(range(num_samples)), num_full=num_full,
+        partial=bool(cached % eng.page_size)))
+    self._group_ids.add(group_id)
+
+  def step(self) -> list[Rollout]:
+    """One scheduling iteration; returns the rollouts that finished in it."""
+    held, self._held = self._held, []
+    return held + self._step()
+
+  def generate(self, prompts_tokens: Sequence, *, greedy: bool = True,
+               max_new_tokens: int | None = None, sampling: engine_lib.Sampling | None = None,
+               seed: int = 0) -> list[np.ndarray]:
+    """Completions (int32, stop token removed) for held-out evaluation, in order.
+
+    Uses group ids < 0. Rollouts of other groups that finish meanwhile are kept and
+    returned by the next step().
+    """
+    mode = engine_lib.Sampling.greedy() if greedy else (sampling or self.sampling)
+    ids = []
+    for i, prompt in enumerate(prompts_tokens):
+      self._eval_ids += 1
+      ids.append(-self._eval_ids)
+      self.add_group(ids[-1], prompt, 1, seed + i, sampling=mode, max_new_tokens=max_new_tokens)
+    wanted = set(ids)
+    done: dict[int, Rollout] = {}
+    while len(done) < len(ids):
+      for r in self._step():
+        if r.group_id in wanted:
+          done[r.group_id] = r
+        else:
+          self._held.append(r)
+    out = []
+    for gid in ids:
+      r = done[gid]
+      out.append(r.completion_tokens[:-1] if r.finish_reason == "stop" else r.completion_tokens)
+    return out
+
+  def abort_all(self) -> list[Rollout]:
+    """End every group now: running samples keep their tokens so far, samples that never
+    started come back empty; all finish_reason "aborted". Frees every slot and page."""
+    now = self._clock()
+    out, self._held = self._held, []
+    running = [s for s in self._slots if s is not None]
+    if running:
+      self._state = self.engine.free_slots(self._state, [s.slot for s in running])
+    for seq in running:
+      out.append(self._end(seq, "aborted", now))
+    for g in list(self._groups):
+      while g.waiting:
+        empty = _Seq(group=g, sample_index=g.waiting.popleft(), slot=-1, pages=[], length=0,
+                     cache_limit=0)
+        out.append(self._rollout(empty, "aborted", now))
+        g.done += 1
+      self._release_prefix(g)
+      self._retire(g)
+    return out
+
+  def _draining(self) -> bool:
+    with self._lock:
+      return self._pending_params is not None and not self.inflight_weight_updates
+
+  def _maybe_swap_params(self) -> None:
+    with self._lock:
+      if self._pending_params is None:
+        return
+      if not self.inflight_weight_updates and self.num_active:
+        return
+      self._params, self._version = self._pending_params
+      self._pending_params = None
+    if not self.inflight_weight_updates:
+      # Nothing is running; prompts cached under the old weights are prefilled again.
+      for g in self._groups:
+        self._release_prefix(g)
+
+  def _step(self) -> list[Rollout]:
+    t0 = time.perf_counter()
+    self._maybe_swap_params()
+    if not self._draining():
+      self._fill_slots()
+    if not self.num_active:
+      self.busy_s += time.perf_counter() - t0
+      return []
+    self._grow_pages()
+    finished = []
+    if self.num_active:
+      version = self._version
+      self._state, out = self.engine.generate(self._params, self._state)
+      self.generate_calls += 1
+      finished = self._consume(jax.device_get(out), version)
+    self.busy_s += time.perf_counter() - t0
+    return finished
+
+  def _fill_slots(self) -> None:
+    """Start waiting samples in free slots, oldest group first."""
+    self._try_fill()
+    if not self.num_active and any(g.waiting for g in self._groups):
+      # Nothing runs, so nothing will give pages back: drop the prompt caches of waiting
+      # groups (they are prefilled again) so the oldest group gets the whole pool.
+      for g in self._groups:
+        self._release_prefix(g)
+      self._try_fill()
+
+  def _try_fill(self) -> None:
+    eng, alloc = self.engine, self.allocator
+    free = [i for i, s in enumerate(self._slots) if s is None][::-1]
+    inserts, exhausted = [], []
+    admitting = True
+    for g in list(self._groups):
+      if not free:
+        break
+      if not g.waiting:
+        continue
+      if g.prefix_pages is None:
+        if not admitting:
+          continue
+        n_now = min(len(g.waiting), len(free))
+        # The prompt pages plus one private copy of the partial page; while others run,
+        # also a private copy per sample and one growth page per running sequence.
+        need = g.num_full + 2 * g.partial
+        if self.num_active:
+          need += (n_now - 1) * g.partial + self.num_active + n_now
+        if alloc.num_free < need:
+          admitting = False  # first come, first served for new prompts
+          continue
+        self._prefill(g)
+      while g.waiting and free:
+        private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
+        if private is None:
+          break
+        shared = g.prefix_pages[:g.num_full]
+        alloc.share(shared)
+        seq = _Seq(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
+                   pages=[int(p) for p in shared] + [int(p) for p in private],
+                   length=g.prompt.shape[0] - 1,
+                   cache_limit=g.prompt.shape[0] - 1 + g.max_new_tokens - 1)
+        self._slots[seq.slot] = seq
+        g.running += 1
+        inserts.append(dict(
+            slot=seq.slot, pages=seq.pages, token=int(g.prompt[-1]), length=seq.length,
+            max_new_tokens=g.max_new_tokens, stop_on_eos=g.stop_on_eos, seed=g.seed,
+            sample_index=seq.sample_index, sampling=g.sampling,
+            copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
+      if not g.waiting:
+        exhausted.append(g)
+    if inserts:
+      self._state = eng.insert_many(self._state, inserts)
+    # Only after the inserts above have read the template pages.
+    for g in exhausted:
+      self._release_prefix(g)
+
+  def _prefill(self, g: _Group) -> None:
+    eng = self.engine
+    g.prefix_pages = self.allocator.allocate(g.num_full + g.partial)
+    padded, n = eng.pad_tokens(g.prompt)
+    prefix = eng.prefill(params=self._params, padded_tokens=padded, true_length=n)
+    self._state = eng.write_prefix(prefix, self._state, pages=g.prefix_pages)
+
+  def _release_prefix(self, g: _Group) -> None:
+    if g.prefix_pages is not None:
+      self.allocator.release(g.prefix_pages)
+      g.prefix_pages = None
+
+  def _grow_pages(self) -> None:
+    eng, alloc = self.engine, self.allocator
+    grown = []
+    running = sorted((s for s in self._slots if s is not None), key=lambda s: s.group.order)
+    for seq in running:
+      if self._slots[seq.slot] is not seq:
+        continue  # preempted while serving an older sequence
+      target = min(seq.length + eng.steps_per_call, seq.cache_limit)
+      need = pt.pages_for(target, eng.page_size) - len(seq.pages)
+      new = alloc.allocate(need) if need > 0 else None
+      while need > 0 and new is None:
+        self._preempt(max((g for g in self._groups if g.running or g.prefix_pages is not None),
+                          key=lambda g: g.order))
+        if self._slots[seq.slot] is not seq:
+          break
+        new = alloc.allocate(need)
+      if new is not None and self._slots[seq.slot] is seq:
+        seq.pages.extend(int(p) for p in new)
+        grown.append(seq)
+    grown = [s for s in grown if self._slots[s.slot] is s]
+    if grown:
+      self._state = eng.set_page_rows(self._state, [s.slot for s in grown],
+                                      [s.pages for s in grown])
+
+  def _preempt(self, g: _Group) -> None:
+    """Drop the group's running samples (they restart from the prompt) and its pages."""
+    seqs = [s for s in self._slots if s is not None and s.group is g]
+    if seqs:
+      self._state = self.engine.free_slots(self._state, [s.slot for s in seqs])
+    for seq in seqs:
+      self._slots[seq.slot] = None
+      self.allocator.release(seq.pages)
+      g.running -= 1
+    g.waiting = collections.deque(sorted(list(g.waiting) + [s.sample_index for s in seqs]))
+    self._release_prefix(g)
+    self.preemptions += 1
+
+  def _consume(self, out: engine_lib.StepOutput, version: int) -> list[Rollout]:
+    now = self._clock()
+    finished = []
+    valid_sb = np.asarray(out.valid_sb)
+    for s in range(valid_sb.shape[0]):
+      for b in np.flatnonzero(valid_sb[s]):
+        seq = self._slots[b]
+        if seq is None:
+          continue
+        if not seq.tokens:
+          seq.first_token = now
+        seq.tokens.append(int(out.tokens_sb[s, b]))
+        seq.logprobs.append(float(out.logprobs_sb[s, b]))
+        seq.versions.append(version)
+        seq.length += 1
+        self.tokens_generated += 1
+        reason = _REASONS.get(int(out.finish_sb[s, b]))
+        if reason is not None:
+          finished.append(self._end(seq, reason, now))
+    return finished
+
+  def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
+    """Free a sequence's slot and pages (its slot is already idle on device)."""
+    self._slots[seq.slot] = None
+    self.allocator.release(seq.pages)
+    g = seq.group
+    g.running -= 1
+    g.done += 1
+    if g.done == g.num_samples:
+      self._retire(g)
+    return self._rollout(seq, reason, now)
+
+  def _retire(self, g: _Group) -> None:
+    self._groups.remove(g)
+    self._group_ids.discard(g.group_id)
+
+  def _rollout(self, seq: _Seq, reason: str, now: float) -> Rollout:
+    self.rollouts_finished += 1
+    g = seq.group
+    return Rollout(
+        group_id=g.group_id, sample_index=seq.sample_index, prompt_tokens=g.prompt.copy(),
+        completion_tokens=np.asarray(seq.tokens, np.int32),
+        behavior_logprobs=np.asarray(seq.logprobs, np.float32),
+        token_versions=np.asarray(seq.versions, np.int32), finish_reason=reason,
+        admitted=g.admitted, first_token=seq.first_token, finished=now)

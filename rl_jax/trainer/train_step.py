@@ -1,0 +1,541 @@
+"""Train batches from rollout groups, and the sharded GRPO / SFT update.
+
+Shape letters: b = rows of the batch (rollouts plus padding rows), t = token positions
+(the length bucket), v = vocabulary, n = chunks (minibatches or micro-batches).
+
+Batch layout. Row i holds prompt + completion, right padded with pad_id to the
+smallest length bucket that fits. Every per-token array is indexed by the predicting
+position (see rl_jax.trainer.grpo): a completion token at position p + j (prompt length
+p) is predicted at position p + j - 1, so
+
+  mask_bt[i, t] = 1  iff  tokens_bt[i, t + 1] is a completion token,
+  behavior_logprobs_bt[i, t] = mu(tokens_bt[i, t + 1]),  versions_bt likewise (-1 off-mask).
+
+Rows are padded to a multiple of `Trainer.batch_multiple` with all-zero-mask rows so the
+batch splits evenly over data-parallel devices, minibatches and micro-batches.
+
+Update. `Trainer.step` is one jitted call with donated state:
+  1. pi_prox (and pi_ref when kl_beta > 0) log-probs of the whole batch at the current
+     params, without gradient; with one minibatch pi_prox equals pi_theta at the update
+     point, so it is taken from the loss forward instead of a separate pass;
+  2. for each of trainer.num_minibatches strided minibatches: gradients summed over
+     micro-batches with lax.scan (loss weights use minibatch-wide token / sequence
+     counts, so the sum equals the full-minibatch gradient), then one optax update that
+     is discarded (params and opt_state kept bitwise) if the loss or gradient norm is
+     not finite.
+Minibatch i takes rows i, i + n, i + 2n, ...: with rows sharded in contiguous blocks
+over (data, fsdp) this split is a local reshape, no data moves between devices.
+
+Supervised warm-up (`sft_step`) uses the same accumulation with token-mean
+cross-entropy on completion tokens and its own optimizer (constant
+`sft_learning_rate`, the trainer's b1 / b2 / weight decay / clip). Its state comes
+from `init_sft_state`; after the warm-up, `init_state(params=sft_state.params)` starts
+RL with fresh Adam moments (and, when kl_beta > 0, the warmed-up params as reference).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rl_jax import model
+from rl_jax import sharding as shd
+from rl_jax.trainer import grpo
+from rl_jax.trainer import optimizer as opt_lib
+from rl_jax.types import Group
+
+GRPO_KEYS = ("tokens_bt", "mask_bt", "behavior_logprobs_bt", "advantages_b")
+SFT_KEYS = ("tokens_bt", "mask_bt")
+
+
+@dataclasses.dataclass
+class TrainBatch:
+  """Host-side (numpy) train batch; see the module docstring for the layout."""
+  tokens_bt: np.ndarray  # int32 [b, t]
+  mask_bt: np.ndarray  # bool [b, t], position t predicts a completion token
+  behavior_logprobs_bt: np.ndarray  # float32 [b, t], 0 off-mask
+  advantages_b: np.ndarray  # float32 [b], 0 for padding rows
+  versions_bt: np.ndarray  # int32 [b, t], -1 off-mask
+  rewards_b: np.ndarray  # float32 [b], 0 for padding rows
+  num_rollouts: int  # real rows; rows [num_rollouts, b) are padding
+  zero_var_groups: int  # groups whose rewards were all equal (advantage 0)
+
+  @property
+  def seq_len(self) -> int:
+    return int(self.tokens_bt.shape[1])
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.mask_bt.sum())
+
+
+def pick_bucket(length: int, length_buckets: Sequence[int]) -> int:
+  """The smallest bucket >= length."""
+  fits = [b for b in sorted(length_buckets) if b >= length]
+  if not fits:
+    raise ValueError(
+        f"a sequence of {length} tokens exceeds the largest trainer.length_buckets entry "
+        f"({max(length_buckets)})")
+  return fits[0]
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _pack(prompts, completions, behavior, versions, *, pad_id, length_buckets,
+          batch_multiple):
+  """Right-padded token rows and the position-aligned per-token arrays."""
+  lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+  t = pick_bucket(max(lengths, default=1), length_buckets)
+  b = _round_up(max(len(prompts), 1), batch_multiple)
+  tokens_bt = np.full((b, t), pad_id, np.int32)
+  mask_bt = np.zeros((b, t), bool)
+  behavior_bt = np.zeros((b, t), np.float32)
+  versions_bt = np.full((b, t), -1, np.int32)
+  for i, (p, c) in enumerate(zip(prompts, completions)):
+    if len(p) == 0:
+      raise ValueError("every prompt needs at least one token (e.g. BOS) to predict the "
+                       "first completion token from")
+    tokens_bt[i, :len(p)] = p
+    tokens_bt[i, len(p):len(p) + len(c)] = c
+    pred = slice(len(p) - 1, len(p) + len(c) - 1)
+    mask_bt[i, pred] = True
+    behavior_bt[i, pred] = behavior[i]
+    versions_bt[i, pred] = versions[i]
+  return tokens_bt, mask_bt, behavior_bt, versions_bt
+
+
+def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Sequence[int],
+                     std_normalize: bool, batch_multiple: int = 1,
+                     eps: float = 1e-6) -> TrainBatch:
+  """A GRPO batch: rows in group order, advantages from `grpo.group_advantages` per group.
+
+  Groups may have different sizes (advantages are computed within each group).
+  """
+  rollouts = [r for g in groups for r in g.rollouts]
+  for r in rollouts:
+    if len(r.behavior_logprobs) != len(r.completion_tokens):
+      raise ValueError(
+          f"rollout {r.group_id}/{r.sample_index}: {len(r.behavior_logprobs)} behaviour "
+          f"log-probs for {len(r.completion_tokens)} completion tokens")
+  advantages, zero_var = [], 0
+  for g in groups:
+    adv_ng, z = grpo.group_advantages(
+        rewards_ng=np.asarray([r.reward for r in g.rollouts], np.float32)[None],
+        std_normalize=std_normalize, eps=eps)
+    advantages.extend(adv_ng[0].tolist())
+    zero_var += z
+  tokens_bt, mask_bt, behavior_bt, versions_bt = _pack(
+      [r.prompt_tokens for r in rollouts], [r.completion_tokens for r in rollouts],
+      [r.behavior_logprobs for r in rollouts], [r.token_versions for r in rollouts],
+      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple)
+  b = tokens_bt.shape[0]
+  advantages_b = np.zeros((b,), np.float32)
+  advantages_b[:len(rollouts)] = advantages
+  rewards_b = np.zeros((b,), np.float32)
+  rewards_b[:len(rollouts)] = [r.reward for r in rollouts]
+  return TrainBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, behavior_logprobs_bt=behavior_bt,
+                    advantages_b=advantages_b, versions_bt=versions_bt, rewards_b=rewards_b,
+                    num_rollouts=len(rollouts), zero_var_groups=zero_var)
+
+
+def make_sft_batch(prompts_tokens: Sequence[np.ndarray],
+                   completions_tokens: Sequence[np.ndarray], *, pad_id: int,
+                   length_buckets: Sequence[int], batch_multiple: int = 1) -> TrainBatch:
+  """A supervised batch: the loss mask covers the completion tokens (include EOS in
+  them if the model should learn to stop). Behaviour log-probs and advantages are 0."""
+  zeros = [np.zeros(len(c), np.float32) for c in completions_tokens]
+  tokens_bt, mask_bt, behavior_bt, versions_bt = _pack(
+      prompts_tokens, completions_tokens, zeros, [z.astype(np.int32) for z in zeros],
+      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple)
+  b = tokens_bt.shape[0]
+  return TrainBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, behavior_logprobs_bt=behavior_bt,
+                    advantages_b=np.zeros((b,), np.float32), versions_bt=versions_bt,
+                    rewards_b=np.zeros((b,), np.float32),
+                    num_rollouts=len(prompts_tokens), zero_var_groups=0)
+
+
+class TrainState(NamedTuple):
+  """Trainer state; every leaf lives on the trainer mesh."""
+  params: Any  # float32 master params, TRAIN_RULES shardings
+  opt_state: Any  # optax state (Adam moments sharded like params)
+  step: jax.Array  # int32: step / sft_step calls completed
+  skipped: jax.Array  # int32: optimizer updates skipped for a non-finite loss or gradient
+
+
+def _split_rows(x: jax.Array, n: int) -> jax.Array:
+  """[b, ...] -> [n, b // n, ...]; chunk i holds rows i, i + n, i + 2n, ..."""
+  return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _merge_rows(x: jax.Array) -> jax.Array:
+  """Inverse of _split_rows: [n, b // n, ...] -> [b, ...]."""
+  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _global_norm(tree) -> jax.Array:
+  """sqrt(sum of squares over every leaf)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _tree_where(flag: jax.Array, new, old):
+  return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
+
+
+class Trainer:
+  """GRPO (and supervised warm-up) updates of one model on the trainer mesh.
+
+  `total_steps` counts `step` calls; the schedule runs over
+  total_steps * num_minibatches optimizer updates (warm-up likewise scaled).
+  `loss_norm_len` is the constant length of the seq_mean_token_sum_norm aggregation
+  (Dr. GRPO); pass the generation budget (sampler.max_new_tokens). Default: the
+  largest length bucket.
+  """
+
+  def __init__(self, model_cfg, trainer_cfg, mesh, *, total_steps: int,
+               sft_learning_rate: float = 1e-3, loss_norm_len: int | None = None):
+    self.model_cfg = model_cfg
+    self.cfg = trainer_cfg
+    self.mesh = mesh
+    self._check_cfg()
+    self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    self.num_minibatches = int(trainer_cfg.num_minibatches)
+    self.micro_batch_size = int(trainer_cfg.micro_batch_size)
+    if self.micro_batch_size % self.dp:
+      raise ValueError(
+          f"trainer.micro_batch_size ({self.micro_batch_size}) must be a multiple of the "
+          f"trainer's data-parallel size data*fsdp = {self.dp}")
+    self.loss_norm_len = int(loss_norm_len or max(trainer_cfg.length_buckets))
+    self.compute_dtype = jnp.dtype(model_cfg.dtype)
+    self._traces = {"init": 0, "step": 0, "sft_step": 0, "logprobs": 0, "loss_and_grad": 0}
+
+    nm = self.num_minibatches
+    self.schedule = opt_lib.lr_schedule(
+        learning_rate=float(trainer_cfg.learning_rate), schedule=trainer_cfg.schedule,
+        warmup_steps=int(trainer_cfg.warmup_steps) * nm, total_steps=int(total_steps) * nm)
+    common = dict(b1=float(trainer_cfg.b1), b2=float(trainer_cfg.b2),
+                  weight_decay=float(trainer_cfg.weight_decay),
+                  grad_clip=float(trainer_cfg.grad_clip))
+    self.optimizer = opt_lib.make_optimizer(learning_rate=self.schedule, **common)
+    self.sft_learning_rate = float(sft_learning_rate)
+    self.sft_optimizer = opt_lib.make_optimizer(learning_rate=self.sft_learning_rate, **common)
+
+    self.replicated = shd.replicated(mesh)
+    master_shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.key(0))))
+    self.param_shardings = shd.tree_shardings(
+        model.param_logical_axes(model_cfg), master_shapes, mesh, shd.TRAIN_RULES)
+    self.state_shardings = self._state_shardings(self.optimizer, master_shapes)
+    self.sft_state_shardings = self._state_shardings(self.sft_optimizer, master_shapes)
+    self._batch_spec = shd.batch_sharding(mesh, shd.TRAIN_RULES, 1).spec
+    grpo_sh = {k: self._batch_sharding(k) for k in GRPO_KEYS}
+    sft_sh = {k: self._batch_sharding(k) for k in SFT_KEYS}
+    ref_sh = self.param_shardings if self.cfg.kl_beta > 0 else ()
+    self.ref_params = ()
+
+    # Jitted initialisers per optimizer: from an rng, or from given params.
+    self._inits = {}
+    for name, optimizer, sh in (("rl", self.optimizer, self.state_shardings),
+                                ("sft", self.sft_optimizer, self.sft_state_shardings)):
+      self._inits[name] = (
+          jax.jit(self._make_init(optimizer, from_rng=True), in_shardings=(self.replicated,),
+                  out_shardings=sh),
+          jax.jit(self._make_init(optimizer, from_rng=False),
+                  in_shardings=(self.param_shardings,), out_shardings=sh))
+    # The reference is a compute-dtype copy: it only ever runs forward in that dtype.
+    self._make_ref = jax.jit(
+        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(self.compute_dtype)), p),
+        in_shardings=(self.param_shardings,), out_shardings=self.param_shardings)
+    self._step = jax.jit(
+        self._train_step, in_shardings=(self.state_shardings, grpo_sh, ref_sh),
+        out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
+    self._sft_step = jax.jit(
+        self._sft_step_fn, in_shardings=(self.sft_state_shardings, sft_sh),
+        out_shardings=(self.sft_state_shardings, self.replicated), donate_argnums=(0,))
+    self._loss_and_grad = jax.jit(
+        self._loss_and_grad_fn,
+        in_shardings=(self.param_shardings, grpo_sh, grpo_sh["behavior_logprobs_bt"], ref_sh),
+        out_shardings=(self.replicated, self.param_shardings))
+    self._logprobs = jax.jit(
+        self._logprobs_fn, in_shardings=(self.param_shardings, grpo_sh["tokens_bt"]),
+        out_shardings=grpo_sh["mask_bt"])
+
+  def _check_cfg(self):
+    c = self.cfg
+    for name, allowed in (("loss_agg", grpo.LOSS_AGGS), ("ratio_level", grpo.RATIO_LEVELS),
+                          ("kl_estimator", grpo.KL_ESTIMATORS),
+                          ("schedule", opt_lib.SCHEDULES)):
+      if getattr(c, name) not in allowed:
+        raise ValueError(f"trainer.{name} must be one of {allowed}, got {getattr(c, name)!r}")
+    if int(c.num_minibatches) < 1:
+      raise ValueError(f"trainer.num_minibatches must be >= 1, got {c.num_minibatches}")
+
+  def _state_shardings(self, optimizer, master_shapes) -> TrainState:
+    opt_shapes = jax.eval_shape(optimizer.init, master_shapes)
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_shapes, self.param_shardings,
+        transform_non_params=lambda _: self.replicated,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return TrainState(params=self.param_shardings, opt_state=opt_sh, step=self.replicated,
+                      skipped=self.replicated)
+
+  def _batch_sharding(self, key: str) -> NamedSharding:
+    ndim = 1 if key.endswith("_b") else 2
+    return shd.batch_sharding(self.mesh, shd.TRAIN_RULES, ndim)
+
+  def _chunk_sharding(self, ndim: int) -> NamedSharding:
+    """Sharding of a [n, rows, ...] chunked array: rows over the batch axes."""
+    return NamedSharding(self.mesh, P(None, *self._batch_spec, *(None,) * (ndim - 2)))
+
+  def _split(self, x: jax.Array, n: int) -> jax.Array:
+    return jax.lax.with_sharding_constraint(_split_rows(x, n), self._chunk_sharding(x.ndim + 1))
+
+  @property
+  def batch_multiple(self) -> int:
+    """Rows of a batch must be a multiple of this (make_*_batch pads to it)."""
+    return self.num_minibatches * (self.micro_batch_size or self.dp)
+
+  @property
+  def compile_count(self) -> int:
+    """Traces of the jitted functions (each trace is one compilation)."""
+    return sum(self._traces.values())
+
+  # -- state ---------------------------------------------------------------------------------
+
+  def _make_init(self, optimizer, *, from_rng: bool):
+    def init(x):
+      self._traces["init"] += 1
+      params = model.init_params(self.model_cfg, x) if from_rng else x
+      # Copy so the state never aliases the caller's params (the step donates it).
+      params = jax.tree.map(lambda p: jnp.copy(p.astype(jnp.float32)), params)
+      return TrainState(params=params, opt_state=optimizer.init(params),
+                        step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+    return init
+
+  def _init(self, name, params, rng):
+    from_rng, from_params = self._inits[name]
+    if params is None:
+      return from_rng(jax.random.key(0) if rng is None else rng)
+    return from_params(jax.device_put(params, self.param_shardings))
+
+  def init_state(self, params=None, rng=None) -> TrainState:
+    """RL state from `params` (any placement; copied) or a fresh init from `rng`.
+
+    When trainer.kl_beta > 0 it also stores a frozen copy of the initial params as the
+    reference policy.
+    """
+    state = self._init("rl", params, rng)
+    if self.cfg.kl_beta > 0:
+      self.ref_params = self._make_ref(state.params)
+    return state
+
+  def init_sft_state(self, params=None, rng=None) -> TrainState:
+    """Supervised warm-up state (its own optimizer, constant sft_learning_rate)."""
+    return self._init("sft", params, rng)
+
+  # -- jitted bodies -------------------------------------------------------------------------
+
+  def _forward(self, params, tokens_bt):
+    # Casting before the forward makes FSDP gather compute-dtype (e.g. bf16) shards.
+    params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
+    return model.apply(self.model_cfg, params, tokens_bt)
+
+  def _chunked_logprobs(self, params, tokens_bt):
+    """Log-probs of a whole batch without gradient, one micro-batch at a time."""
+    rows = self.micro_batch_size or tokens_bt.shape[0]
+    chunks = self._split(tokens_bt, tokens_bt.shape[0] // rows)
+    logp = jax.lax.map(lambda tok: grpo.token_logprobs(
+        logits_btv=self._forward(params, tok), tokens_bt=tok), chunks)
+    return jax.lax.stop_gradient(_merge_rows(logp))
+
+  def _accumulate(self, params, mb, loss_fn):
+    """Sum of loss, stats and gradients over the micro-batches of minibatch `mb`."""
+    rows = self.micro_batch_size or mb["tokens_bt"].shape[0]
+    micro = {k: self._split(v, v.shape[0] // rows) for k, v in mb.items()}
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(grads, mc):
+      (loss, stats), g = grad_fn(params, mc)
+      g = jax.lax.with_sharding_constraint(g, self.param_shardings)
+      return jax.tree.map(jnp.add, grads, g), (loss, stats)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (losses, stats) = jax.lax.scan(body, zeros, micro)
+    return grads, losses.sum(), stats
+
+  def _apply_update(self, optimizer, params, opt_state, grads, loss):
+    """One optax update, kept only if loss and gradient norm are finite."""
+    grad_norm = _global_norm(grads)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    params = _tree_where(finite, optax.apply_updates(params, updates), params)
+    opt_state = _tree_where(finite, new_opt_state, opt_state)
+    update_norm = jnp.where(finite, _global_norm(updates), 0.0)
+    return params, opt_state, finite, grad_norm, update_norm
+
+  def _grpo_micro_loss(self, params, mc):
+    c = self.cfg
+    logits_btv = self._forward(params, mc["tokens_bt"])
+    logp_bt = grpo.token_logprobs(logits_btv=logits_btv, tokens_bt=mc["tokens_bt"])
+    entropy_bt = grpo.token_entropy(logits_btv=jax.lax.stop_gradient(logits_btv))
+    loss, stats = grpo.grpo_loss(
+        logp_bt=logp_bt, prox_logp_bt=mc.get("prox_bt", logp_bt),
+        behavior_logp_bt=mc["behavior_logprobs_bt"], ref_logp_bt=mc.get("ref_bt"),
+        adv_b=mc["advantages_b"], mask_bt=mc["mask_bt"], weights_bt=mc["weights_bt"],
+        eps_low=float(c.eps_low), eps_high=float(c.eps_high), tis_cap=float(c.tis_cap),
+        ratio_level=c.ratio_level, kl_beta=float(c.kl_beta), kl_estimator=c.kl_estimator)
+    stats["entropy"] = grpo.masked_sum(x_bt=entropy_bt, mask_bt=mc["mask_bt"])
+    return loss, stats
+
+  def _minibatch_grads(self, params, mb):
+    """GRPO loss, stats and gradient of one minibatch, aggregated over all its rows."""
+    mb = dict(mb, weights_bt=grpo.loss_weights(
+        mask_bt=mb["mask_bt"], loss_agg=self.cfg.loss_agg, max_len=self.loss_norm_len))
+    return self._accumulate(params, mb, self._grpo_micro_loss)
+
+  def _loss_and_grad_fn(self, params, batch, prox_bt, ref_params):
+    self._traces["loss_and_grad"] += 1
+    data = dict(batch, prox_bt=prox_bt)
+    if self.cfg.kl_beta > 0:
+      data["ref_bt"] = self._chunked_logprobs(ref_params, batch["tokens_bt"])
+    grads, loss, _ = self._minibatch_grads(params, data)
+    return loss, grads
+
+  def _train_step(self, state: TrainState, batch, ref_params):
+    self._traces["step"] += 1
+    nm = self.num_minibatches
+    data = dict(batch)
+    if nm > 1:
+      data["prox_bt"] = self._chunked_logprobs(state.params, batch["tokens_bt"])
+    if self.cfg.kl_beta > 0:
+      data["ref_bt"] = self._chunked_logprobs(ref_params, batch["tokens_bt"])
+    minibatches = {k: self._split(v, nm) for k, v in data.items()}
+    # Updates applied so far (each step attempts nm), which is where the schedule stands.
+    applied_before = state.step * nm - state.skipped
+
+    def update(carry, mb):
+      params, opt_state, skipped = carry
+      grads, loss, stats = self._minibatch_grads(params, mb)
+      params, opt_state, finite, grad_norm, update_norm = self._apply_update(
+          self.optimizer, params, opt_state, grads, loss)
+      skipped = skipped + (~finite).astype(jnp.int32)
+      return (params, opt_state, skipped), (loss, stats, grad_norm, update_norm)
+
+    (params, opt_state, skipped), (loss_n, stats, grad_norm_n, update_norm_n) = jax.lax.scan(
+        update, (state.params, state.opt_state, state.skipped), minibatches)
+    ratios = stats.pop("ratio_bt").reshape(-1)
+    sums = {k: v.sum() for k, v in stats.items()}
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    ratio_p = jnp.nanquantile(ratios, jnp.array([0.01, 0.5, 0.99]))
+    metrics = dict(
+        loss=loss_n.mean(), pg_loss=stats["pg_loss"].sum() / nm,
+        kl=sums["kl"] / tokens, kl_behavior=sums["kl_behavior"] / tokens,
+        entropy=sums["entropy"] / tokens,
+        clip_frac_low=sums["clip_low"] / tokens, clip_frac_high=sums["clip_high"] / tokens,
+        ratio_p1=ratio_p[0], ratio_p50=ratio_p[1], ratio_p99=ratio_p[2],
+        tis_weight_mean=sums["tis_weight"] / tokens,
+        tis_truncated_frac=sums["tis_truncated"] / tokens,
+        behavior_prox_logp_gap=sums["prox_gap"] / tokens,
+        grad_norm=grad_norm_n.mean(), update_norm=update_norm_n.mean(),
+        learning_rate=self.schedule(applied_before),
+        tokens=sums["tokens"], skipped_nonfinite=(skipped - state.skipped).astype(jnp.float32),
+        skipped_nonfinite_total=skipped.astype(jnp.float32))
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
+                           skipped=skipped)
+    return new_state, metrics
+
+  def _sft_micro_loss(self, params, mc):
+    logits_btv = self._forward(params, mc["tokens_bt"])
+    logp_bt = grpo.token_logprobs(logits_btv=logits_btv, tokens_bt=mc["tokens_bt"])
+    loss = -grpo.masked_sum(x_bt=mc["weights_bt"] * logp_bt, mask_bt=mc["mask_bt"])
+    next_bt = jnp.concatenate([mc["tokens_bt"][:, 1:], mc["tokens_bt"][:, -1:]], axis=1)
+    hit_bt = (jnp.argmax(logits_btv, axis=-1) == next_bt).astype(jnp.float32)
+    return loss, dict(correct=grpo.masked_sum(x_bt=hit_bt, mask_bt=mc["mask_bt"]),
+                      tokens=grpo.masked_sum(x_bt=jnp.ones_like(hit_bt), mask_bt=mc["mask_bt"]))
+
+  def _sft_step_fn(self, state: TrainState, batch):
+    """Token-mean cross-entropy -sum_bt W_bt log pi(tokens_{t+1}), W from loss_weights."""
+    self._traces["sft_step"] += 1
+    mb = dict(batch, weights_bt=grpo.loss_weights(mask_bt=batch["mask_bt"],
+                                                  loss_agg="token_mean", max_len=1))
+    grads, loss, stats = self._accumulate(state.params, mb, self._sft_micro_loss)
+    params, opt_state, finite, grad_norm, update_norm = self._apply_update(
+        self.sft_optimizer, state.params, state.opt_state, grads, loss)
+    skipped = state.skipped + (~finite).astype(jnp.int32)
+    tokens = stats["tokens"].sum()
+    metrics = dict(loss=loss, token_accuracy=stats["correct"].sum() / jnp.maximum(tokens, 1.0),
+                   grad_norm=grad_norm, update_norm=update_norm, tokens=tokens,
+                   skipped_nonfinite=(~finite).astype(jnp.float32))
+    return TrainState(params=params, opt_state=opt_state, step=state.step + 1,
+                      skipped=skipped), metrics
+
+  def _logprobs_fn(self, params, tokens_bt):
+    self._traces["logprobs"] += 1
+    return self._chunked_logprobs(params, tokens_bt)
+
+  # -- public API ----------------------------------------------------------------------------
+
+  def make_train_batch(self, groups: Sequence[Group]) -> TrainBatch:
+    return make_train_batch(groups, pad_id=self.model_cfg.pad_id,
+                            length_buckets=self.cfg.length_buckets,
+                            std_normalize=bool(self.cfg.std_normalize),
+                            batch_multiple=self.batch_multiple)
+
+  def make_sft_batch(self, prompts_tokens, completions_tokens) -> TrainBatch:
+    return make_sft_batch(prompts_tokens, completions_tokens, pad_id=self.model_cfg.pad_id,
+                          length_buckets=self.cfg.length_buckets,
+                          batch_multiple=self.batch_multiple)
+
+  def _device_batch(self, batch: TrainBatch, keys) -> dict[str, jax.Array]:
+    rows = batch.tokens_bt.shape[0]
+    if rows % self.batch_multiple:
+      raise ValueError(f"batch has {rows} rows, not a multiple of Trainer.batch_multiple "
+                       f"({self.batch_multiple}); build it with Trainer.make_train_batch")
+    return {k: jax.device_put(getattr(batch, k), self._batch_sharding(k)) for k in keys}
+
+  def _reference(self):
+    if self.cfg.kl_beta > 0 and not self.ref_params:
+      raise ValueError("trainer.kl_beta > 0 needs reference params: call init_state first")
+    return self.ref_params
+
+  def step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+    """One GRPO step (num_minibatches optimizer updates). `state` is donated."""
+    state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS), self._reference())
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    out.update(zero_var_groups=float(batch.zero_var_groups), seq_len=float(batch.seq_len),
+               rollouts=float(batch.num_rollouts))
+    return state, out
+
+  def sft_step(self, state: TrainState, batch: TrainBatch
+               ) -> tuple[TrainState, dict[str, float]]:
+    """One supervised warm-up update on an init_sft_state state (donated)."""
+    state, metrics = self._sft_step(state, self._device_batch(batch, SFT_KEYS))
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    out.update(seq_len=float(batch.seq_len), learning_rate=self.sft_learning_rate)
+    return state, out
+
+  def logprobs(self, params, batch: TrainBatch) -> jax.Array:
+    """logp_bt of the batch's tokens under `params` (trainer shardings), position-aligned."""
+    return self._logprobs(params, self._device_batch(batch, ("tokens_bt",))["tokens_bt"])
+
+  def loss_and_grad(self, params, batch: TrainBatch, prox_logprobs_bt: jax.Array
+                    ) -> tuple[jax.Array, Any]:
+    """The GRPO loss of the whole batch as one minibatch, and its gradient in params.
+
+    pi_prox is given (e.g. `logprobs(params0, batch)`) rather than recomputed, so the
+    loss is a smooth function of `params` (for gradient checks and probes).
+    """
+    return self._loss_and_grad(params, self._device_batch(batch, GRPO_KEYS), prox_logprobs_bt,
+                               self._reference())
+
+  @staticmethod
+  def num_params(params) -> int:
+    return int(sum(math.prod(p.shape) for p in jax.tree.leaves(params)))

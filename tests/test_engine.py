@@ -1,0 +1,233 @@
+"""Paged decode engine: sampling math, paged decode against full recompute, prefix
+sharing, sharded meshes, multi-step calls and recompilation counts."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax import model
+from rl_jax import sharding as shd
+from rl_jax.sampler import engine as E
+from rl_jax.sampler import page_table as pt
+
+CFG = model.get_preset("tiny_char")
+PAGE = 4
+MAX_PREFILL = 16
+MAX_NEW = 20
+
+
+def make_engine(mesh_shape=(1, 1, 1), **kw):
+  devices = jax.devices()[:int(np.prod(mesh_shape))]
+  args = dict(mesh=shd.make_mesh(mesh_shape, devices), max_concurrent_decodes=4,
+              page_size=PAGE, num_pages=48, max_prefill_length=MAX_PREFILL,
+              max_new_tokens=MAX_NEW)
+  args.update(kw)
+  return E.Engine(CFG, **args)
+
+
+@pytest.fixture(scope="module")
+def params():
+  # Random init scaled up so greedy decoding does not collapse onto one token.
+  p = model.init_params(CFG, jax.random.key(1))
+  return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, p)
+
+
+@pytest.fixture(scope="module")
+def engine():
+  return make_engine()
+
+
+@functools.lru_cache(maxsize=None)
+def _apply_fn():
+  return jax.jit(lambda p, t: model.apply(CFG, p, t))
+
+
+def reference_greedy(params, prompts, num_tokens):
+  """Greedy continuation by full recompute: tokens [n, num_tokens], logprobs (T=1)."""
+  width = max(len(p) for p in prompts) + num_tokens
+  seqs = [list(p) for p in prompts]
+  toks, lps = [], []
+  for _ in range(num_tokens):
+    batch = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+      batch[i, :len(s)] = s
+    logp = jax.nn.log_softmax(_apply_fn()(params, jnp.asarray(batch)), axis=-1)
+    last = np.asarray([logp[i, len(s) - 1] for i, s in enumerate(seqs)])
+    nxt = last.argmax(-1)
+    toks.append(nxt)
+    lps.append(last[np.arange(len(seqs)), nxt])
+    for s, t in zip(seqs, nxt):
+      s.append(int(t))
+  return np.stack(toks, 1), np.stack(lps, 1)
+
+
+def start(engine, params, state, alloc, slot, prompt, **kw):
+  padded, n = engine.pad_tokens(prompt)
+  prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n)
+  pages = alloc.allocate(pt.pages_for(n - 1 + MAX_NEW, PAGE))
+  kw.setdefault("sampling", E.Sampling.greedy())
+  kw.setdefault("stop_on_eos", False)
+  return engine.insert(prefix, state, slot, pages=pages, **kw), pages
+
+
+def decode(engine, params, state, steps):
+  toks, lps, valid = [], [], []
+  for _ in range(steps // engine.steps_per_call):
+    state, out = engine.generate(params, state)
+    out = jax.device_get(out)
+    toks.append(out.tokens_sb)
+    lps.append(out.logprobs_sb)
+    valid.append(out.valid_sb)
+  return state, np.concatenate(toks).T, np.concatenate(lps).T, np.concatenate(valid).T
+
+
+PROMPTS = [np.array([1, 5]), np.array([1, 7, 9, 11]), np.array([1, 20, 21, 22, 23]),
+           np.arange(30, 41)]
+
+
+def test_sample_tokens_temperature_matches_softmax():
+  logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
+  n, temp = 6000, 0.7
+  tokens, logprobs = E.sample_tokens(
+      logits_bv=jnp.tile(logits, (n, 1)), keys_b=jax.random.split(jax.random.key(0), n),
+      temperature_b=jnp.full((n,), temp), top_k_b=jnp.zeros((n,), jnp.int32),
+      top_p_b=jnp.ones((n,)))
+  probs = np.asarray(jax.nn.softmax(logits / temp))
+  counts = np.bincount(np.asarray(tokens), minlength=6)
+  chi2 = float(np.sum((counts - n * probs) ** 2 / (n * probs)))
+  assert chi2 < 20.5, (chi2, counts, n * probs)  # 5 dof: p = 0.001
+  np.testing.assert_allclose(np.asarray(logprobs), np.log(probs)[np.asarray(tokens)],
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k,top_p,allowed", [(3, 1.0, [0, 1, 3]), (0, 0.75, [0, 3]),
+                                                 (3, 0.5, [3])])
+def test_sample_tokens_truncation(top_k, top_p, allowed):
+  logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
+  n = 3000
+  tokens, logprobs = E.sample_tokens(
+      logits_bv=jnp.tile(logits, (n, 1)), keys_b=jax.random.split(jax.random.key(1), n),
+      temperature_b=jnp.ones((n,)), top_k_b=jnp.full((n,), top_k, jnp.int32),
+      top_p_b=jnp.full((n,), top_p))
+  probs = np.zeros(6)
+  probs[allowed] = np.asarray(jax.nn.softmax(logits[np.asarray(allowed)]))
+  counts = np.bincount(np.asarray(tokens), minlength=6)
+  assert set(np.flatnonzero(counts)) == set(allowed)
+  keep = probs > 0
+  chi2 = float(np.sum((counts[keep] - n * probs[keep]) ** 2 / (n * probs[keep])))
+  assert chi2 < 16.3, (chi2, counts)  # <= 2 dof: p = 0.0003
+  np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[np.asarray(tokens)]),
+                             atol=1e-5)
+
+
+def test_sample_tokens_greedy_reports_model_logprob():
+  logits = jax.random.normal(jax.random.key(2), (3, 11))
+  tokens, logprobs = E.sample_tokens(
+      logits_bv=logits, keys_b=jax.random.split(jax.random.key(0), 3),
+      temperature_b=jnp.zeros((3,)), top_k_b=jnp.full((3,), 2, jnp.int32),
+      top_p_b=jnp.full((3,), 0.3))
+  np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
+  np.testing.assert_allclose(
+      logprobs, jnp.max(jax.nn.log_softmax(logits, -1), -1), atol=1e-6)
+
+
+def test_paged_greedy_matches_recompute_with_slot_reuse(engine, params):
+  state = engine.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  owned = {}
+  for slot, prompt in enumerate(PROMPTS):
+    state, owned[slot] = start(engine, params, state, alloc, slot, prompt)
+  state, toks, lps, valid = decode(engine, params, state, 8)
+  assert valid.all()
+  ref_t, ref_lp = reference_greedy(params, PROMPTS, 16)
+  np.testing.assert_array_equal(toks, ref_t[:, :8])
+  np.testing.assert_allclose(lps, ref_lp[:, :8], atol=1e-4)
+
+  # Reuse slot 1 for a new prompt; its freed pages go straight to the new sequence.
+  state = engine.free_slots(state, [1])
+  alloc.release(owned[1])
+  new_prompt = np.array([1, 60, 61, 62, 63, 64, 65])
+  state, owned[1] = start(engine, params, state, alloc, 1, new_prompt)
+  state, toks2, lps2, valid2 = decode(engine, params, state, 8)
+  assert valid2.all()
+  new_t, new_lp = reference_greedy(params, [new_prompt], 8)
+  others = [0, 2, 3]
+  np.testing.assert_array_equal(toks2[others], ref_t[others, 8:])
+  np.testing.assert_allclose(lps2[others], ref_lp[others, 8:], atol=1e-4)
+  np.testing.assert_array_equal(toks2[1], new_t[0])
+  np.testing.assert_allclose(lps2[1], new_lp[0], atol=1e-4)
+
+  # One compiled program per operation, however many calls.
+  assert engine._generate._cache_size() == 1
+  assert engine._insert._cache_size() == 1
+  assert engine._prefill._cache_size() == 1  # every prompt fits the 16 bucket
+
+
+def test_length_limit_and_idle_slots(engine, params):
+  state = engine.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  state, _ = start(engine, params, state, alloc, 2, PROMPTS[2], max_new_tokens=3)
+  state, toks, _, valid = decode(engine, params, state, 5)
+  assert valid[2].tolist() == [True, True, True, False, False]
+  assert not valid[[0, 1, 3]].any()
+  ref_t, _ = reference_greedy(params, [PROMPTS[2]], 3)
+  np.testing.assert_array_equal(toks[2, :3], ref_t[0])
+
+
+def test_shared_prefix_equals_separate_prefills(engine, params):
+  prompt = np.array([1, 40, 41, 42, 43, 44, 45])  # 6 cached tokens: 1 full page + 2
+  sampling = E.Sampling(temperature=1.0, top_k=0, top_p=1.0)
+  padded, n = engine.pad_tokens(prompt)
+  prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n)
+
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  shared = engine.init_decode_state()
+  group_pages = alloc.allocate(2)  # one full page shared, one template partial page
+  shared = engine.write_prefix(prefix, shared, pages=group_pages)
+  entries = []
+  for i in range(3):
+    private = alloc.allocate(pt.pages_for(n - 1 + MAX_NEW, PAGE) - 1)
+    alloc.share(group_pages[:1])
+    entries.append(dict(slot=i, pages=[group_pages[0]] + list(private), token=prompt[-1],
+                        length=n - 1, max_new_tokens=MAX_NEW, stop_on_eos=False, seed=5,
+                        sample_index=i, sampling=sampling,
+                        copy=(group_pages[1], private[0])))
+  shared = engine.insert_many(shared, entries)
+  assert alloc.refcount(int(group_pages[0])) == 4
+  shared, toks_a, lps_a, _ = decode(engine, params, shared, 8)
+
+  separate = engine.init_decode_state()
+  alloc2 = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  for i in range(3):
+    separate, _ = start(engine, params, separate, alloc2, i, prompt, sampling=sampling,
+                        seed=5, sample_index=i)
+  separate, toks_b, lps_b, _ = decode(engine, params, separate, 8)
+  np.testing.assert_array_equal(toks_a[:3], toks_b[:3])
+  np.testing.assert_allclose(lps_a[:3], lps_b[:3], atol=1e-5)
+  assert len({tuple(t) for t in toks_a[:3]}) == 3  # per-sample keys differ
+
+
+def test_tensor_parallel_and_multistep_match_single_device(engine, params):
+  state = engine.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  for slot, prompt in enumerate(PROMPTS):
+    state, _ = start(engine, params, state, alloc, slot, prompt)
+  _, want, want_lp, _ = decode(engine, params, state, 6)
+
+  for kw in (dict(mesh_shape=(1, 1, 2)), dict(steps_per_call=3)):
+    eng = make_engine(**kw)
+    p = eng.load_params(params)
+    if "mesh_shape" in kw:
+      spec = eng.state_shardings.k_pages_lnpkd.spec
+      assert tuple(spec) == (None, None, None, "tensor", None)
+      assert p["layers"]["k"].sharding.spec[2] == "tensor"
+    state = eng.init_decode_state()
+    alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
+    for slot, prompt in enumerate(PROMPTS):
+      state, _ = start(eng, p, state, alloc, slot, prompt)
+    state, got, got_lp, _ = decode(eng, p, state, 6)
+    assert state.k_pages_lnpkd.sharding == eng.state_shardings.k_pages_lnpkd
+    np.testing.assert_array_equal(got, want, err_msg=str(kw))
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4, err_msg=str(kw))

@@ -1,0 +1,217 @@
+"""rl_jax.trainer.train_step: batch layout, gradients, sharded step, NaN skip, compiles."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import base
+from rl_jax import model
+from rl_jax import sharding as shd
+from rl_jax.trainer import optimizer as opt_lib
+from rl_jax.trainer import train_step as ts
+from rl_jax.types import Group, Rollout
+
+PROMPT = np.array([1, 40, 41, 42], np.int32)
+
+
+def _model_cfg():
+  return model.get_preset("tiny_char").replace(
+      hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def _trainer_cfg(**kw):
+  c = base.get_config().trainer
+  c.length_buckets = (16, 32)
+  c.learning_rate = 1e-2
+  for k, v in kw.items():
+    setattr(c, k, v)
+  return c
+
+
+def _groups(seed, *, num_groups=2, group_size=4, max_completion=10, off_policy=0.5):
+  rng = np.random.default_rng(seed)
+  groups = []
+  for g in range(num_groups):
+    rollouts = []
+    for k in range(group_size):
+      c = rng.integers(3, 100, rng.integers(2, max_completion + 1)).astype(np.int32)
+      rollouts.append(Rollout(
+          group_id=g, sample_index=k, prompt_tokens=PROMPT, completion_tokens=c,
+          behavior_logprobs=(-np.log(128) + rng.normal(0, off_policy, len(c))).astype(np.float32),
+          token_versions=np.full(len(c), 3, np.int32), reward=float(rng.normal())))
+    groups.append(Group(group_id=g, example=None, prompt_tokens=PROMPT, rollouts=rollouts))
+  return groups
+
+
+def _mesh(shape):
+  return shd.make_mesh(shape, jax.devices()[:int(np.prod(shape))])
+
+
+def _host(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def test_make_train_batch_layout():
+  groups = _groups(0)
+  groups[1].rollouts[0].completion_tokens = np.array([7, 8, 9], np.int32)
+  groups[1].rollouts[0].behavior_logprobs = np.array([-1, -2, -3], np.float32)
+  groups[1].rollouts[0].token_versions = np.array([5, 5, 6], np.int32)
+  for r in groups[0].rollouts:
+    r.reward = 1.0
+  batch = ts.make_train_batch(groups, pad_id=0, length_buckets=(16, 32), std_normalize=True,
+                              batch_multiple=3)
+  assert batch.tokens_bt.shape == (9, 16) and batch.num_rollouts == 8
+  assert batch.zero_var_groups == 1
+  np.testing.assert_array_equal(batch.advantages_b[:4], 0)
+  np.testing.assert_allclose(batch.advantages_b[4:8].mean(), 0, atol=1e-6)
+  # Row 4: prompt (4 tokens) then completion [7, 8, 9]; position 3 predicts token 4 (= 7).
+  np.testing.assert_array_equal(batch.tokens_bt[4, :8], [1, 40, 41, 42, 7, 8, 9, 0])
+  np.testing.assert_array_equal(np.nonzero(batch.mask_bt[4])[0], [3, 4, 5])
+  np.testing.assert_array_equal(batch.behavior_logprobs_bt[4, 3:6], [-1, -2, -3])
+  np.testing.assert_array_equal(batch.versions_bt[4, 2:7], [-1, 5, 5, 6, -1])
+  assert not batch.mask_bt[8].any() and batch.advantages_b[8] == 0  # padding row
+  long = ts.make_train_batch(_groups(1, max_completion=20), pad_id=0, length_buckets=(16, 32),
+                             std_normalize=False)
+  assert long.seq_len == 32
+  with pytest.raises(ValueError, match="length_buckets"):
+    ts.make_train_batch(_groups(1, max_completion=40), pad_id=0, length_buckets=(16, 32),
+                        std_normalize=False)
+
+
+def test_lr_schedule():
+  cos = opt_lib.lr_schedule(learning_rate=1.0, schedule="cosine", warmup_steps=4, total_steps=14)
+  np.testing.assert_allclose([float(cos(n)) for n in (0, 3, 9, 14, 20)],
+                             [0.25, 1.0, 0.5, 0.0, 0.0], atol=1e-6)
+  const = opt_lib.lr_schedule(learning_rate=2.0, schedule="constant", warmup_steps=0,
+                              total_steps=5)
+  assert float(const(0)) == float(const(100)) == 2.0
+
+
+def test_gradient_matches_finite_differences(params0):
+  """d/dh L(theta + h u) at h = 0 against central differences, with pi_prox fixed."""
+  cfg = _trainer_cfg(kl_beta=0.1, kl_estimator="k3", loss_agg="seq_mean_token_mean",
+                     tis_cap=1.5)
+  trainer = ts.Trainer(_model_cfg(), cfg, _mesh((1, 1, 1)), total_steps=1)
+  params0 = trainer.init_state(params=params0).params
+  batch = trainer.make_train_batch(_groups(2))
+  # The reference is theta_0 and pi_prox is theta_0 shifted, so every term has curvature.
+  shifted = jax.tree.map(lambda p: p * 1.05, params0)
+  prox = trainer.logprobs(shifted, batch)
+  _, grads = trainer.loss_and_grad(params0, batch, prox)
+  rng = np.random.default_rng(0)
+  h = 1e-2
+  for _ in range(3):
+    u = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params0)
+    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(u))))
+    u = jax.tree.map(lambda x: x / norm, u)
+    at = lambda s: trainer.loss_and_grad(
+        jax.tree.map(lambda p, d: p + s * d, params0, u), batch, prox)[0]
+    fd = (float(at(h)) - float(at(-h))) / (2 * h)
+    analytic = float(sum(jnp.sum(g * d) for g, d in zip(jax.tree.leaves(grads),
+                                                        jax.tree.leaves(u))))
+    np.testing.assert_allclose(analytic, fd, rtol=3e-2, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def params0():
+  """Initial params, built once: every trainer below starts from them (fewer compiles)."""
+  return model.init_params(_model_cfg(), jax.random.key(2))
+
+
+@pytest.fixture(scope="module")
+def single_device_step(params0):
+  """Params and metrics after one step on one device, whole batch at once."""
+  trainer = ts.Trainer(_model_cfg(), _trainer_cfg(), _mesh((1, 1, 1)), total_steps=4)
+  state = trainer.init_state(params=params0)
+  state, metrics = trainer.step(state, trainer.make_train_batch(_groups(3)))
+  return _host(state.params), metrics
+
+
+def _assert_params_close(a, b, lr):
+  # The first Adam step moves each parameter by lr * g / (|g| + eps). Where |g| is within
+  # a few orders of eps the summation order (devices, micro-batches) visibly changes the
+  # update, so a handful of elements may differ by a few percent of lr; all others match.
+  diffs = np.concatenate([np.abs(x - y).ravel() for x, y in zip(jax.tree.leaves(a),
+                                                                 jax.tree.leaves(b))])
+  assert diffs.max() < 5e-2 * lr
+  assert np.mean(diffs > 1e-6) < 1e-3
+
+
+def test_sharded_step_equals_single_device_and_nan_skips(params0, single_device_step):
+  cfg = _trainer_cfg()
+  groups = _groups(3)
+  trainer = ts.Trainer(_model_cfg(), cfg, _mesh((2, 2, 2)), total_steps=4)
+  state = trainer.init_state(params=params0)
+  # The trainer state lives on the 8-device mesh with the declared shardings.
+  for leaf, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(trainer.param_shardings)):
+    assert leaf.sharding == want
+  assert state.params["layers"]["q"].sharding.spec == trainer.param_shardings["layers"]["q"].spec
+  assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(
+      trainer.state_shardings.opt_state))
+
+  state, metrics = trainer.step(state, trainer.make_train_batch(groups))
+  want_params, want_metrics = single_device_step
+  _assert_params_close(_host(state.params), want_params, cfg.learning_rate)
+  for k in ("loss", "grad_norm", "entropy", "tis_weight_mean", "behavior_prox_logp_gap"):
+    np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-4)
+  # One minibatch: on-policy w.r.t. pi_prox, so the ratio is exactly 1.
+  assert metrics["ratio_p1"] == metrics["ratio_p50"] == metrics["ratio_p99"] == 1.0
+  assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0
+  assert metrics["skipped_nonfinite"] == 0
+  assert metrics["tokens"] == sum(r.num_tokens for g in groups for r in g.rollouts)
+
+  # A NaN behaviour log-prob or advantage on a real token skips the update bitwise.
+  for field in ("behavior_logprobs_bt", "advantages_b"):
+    bad = trainer.make_train_batch(groups)
+    if field == "advantages_b":
+      bad.advantages_b[5] = np.nan
+    else:
+      bad.behavior_logprobs_bt[1, np.nonzero(bad.mask_bt[1])[0][0]] = np.nan
+    before = _host((state.params, state.opt_state))
+    skipped_before = int(state.skipped)
+    state, metrics = trainer.step(state, bad)
+    jax.tree.map(np.testing.assert_array_equal, _host((state.params, state.opt_state)), before)
+    assert metrics["skipped_nonfinite"] == 1 and int(state.skipped) == skipped_before + 1
+  state, metrics = trainer.step(state, trainer.make_train_batch(groups))
+  assert metrics["skipped_nonfinite"] == 0 and metrics["skipped_nonfinite_total"] == 2
+  assert int(state.step) == 4
+
+  # Supervised warm-up on the same trainer: the loss falls on a fixed batch.
+  sft = trainer.init_sft_state(params=params0)
+  completions = [np.array([10 + i, 20 + i, 2], np.int32) for i in range(8)]
+  batch = trainer.make_sft_batch([PROMPT] * 8, completions)
+  losses = []
+  for _ in range(10):
+    sft, metrics = trainer.sft_step(sft, batch)
+    losses.append(metrics["loss"])
+  assert losses[-1] < 0.7 * losses[0] and metrics["tokens"] == 24
+
+
+def test_compile_count_bounded_by_buckets(params0):
+  trainer = ts.Trainer(_model_cfg(), _trainer_cfg(num_minibatches=2), _mesh((2, 1, 2)),
+                       total_steps=8)
+  state = trainer.init_state(params=params0)
+  state, metrics = trainer.step(state, trainer.make_train_batch(_groups(4)))
+  # Two minibatches: the second one is off-policy w.r.t. pi_prox after the first update.
+  assert metrics["ratio_p50"] != 1.0 or metrics["ratio_p99"] != 1.0
+  count = trainer.compile_count
+  for seed in (5, 6, 7):
+    state, _ = trainer.step(state, trainer.make_train_batch(_groups(seed)))
+  assert trainer.compile_count == count
+  long = trainer.make_train_batch(_groups(8, max_completion=20))
+  assert long.seq_len == 32
+  state, _ = trainer.step(state, long)
+  state, _ = trainer.step(state, trainer.make_train_batch(_groups(9, max_completion=20)))
+  assert trainer.compile_count == count + 1
+
+
+def test_micro_batches_equal_full_batch(params0, single_device_step):
+  """Micro-batches of 2 rows on a 2-way data-parallel mesh == the whole batch at once."""
+  cfg = _trainer_cfg(micro_batch_size=2)
+  trainer = ts.Trainer(_model_cfg(), cfg, _mesh((2, 1, 1)), total_steps=4)
+  state = trainer.init_state(params=params0)
+  state, metrics = trainer.step(state, trainer.make_train_batch(_groups(3)))
+  want_params, want_metrics = single_device_step
+  _assert_params_close(_host(state.params), want_params, cfg.learning_rate)
+  for k in ("loss", "grad_norm", "entropy", "kl_behavior"):
+    np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-5)
