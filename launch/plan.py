@@ -1,12 +1,13 @@
 """Plan the sampler / trainer split of a cluster by simulation, before running the job.
 
   python launch/plan.py --config configs/default.py --devices 8 [--profile WORKDIR]
-      [--memory-gb 139] [--sweep-staleness 0,1,2,4] [--sweep-inflight -1,16,32]
+      [--memory-gb 139] [--sweep-staleness 0,1,2,4] [--sweep-inflight auto,16,32]
       [--max-discard 0.05] [--out DIR] [--config.x=y ...]
   python launch/plan.py --config configs/default.py --validate WORKDIR [--profile PILOT]
 
 --profile fits the throughput models and distributions from a pilot's workdir;
 --validate compares the prediction for that run's own configuration with what it observed.
+--sweep-inflight takes rl.max_inflight_groups values; auto = (max_staleness + 1) * groups_per_step.
 """
 import argparse
 import os
@@ -21,9 +22,10 @@ from rl_jax import planner  # noqa: E402
 def _ints(flag):
   def parse(text):
     try:
-      return [int(v) for v in text.split(",") if v.strip()]
+      return [-1 if v.strip() == "auto" else int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-      raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got {text!r}")
+      raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers (or auto), "
+                                       f"got {text!r}") from None
   return parse
 
 

@@ -109,7 +109,7 @@ def test_gradient_matches_finite_differences(params0):
     fd = (float(at(h)) - float(at(-h))) / (2 * h)
     analytic = float(sum(jnp.sum(g * d) for g, d in zip(jax.tree.leaves(grads),
                                                         jax.tree.leaves(u))))
-    np.testing.assert_allclose(analytic, fd, rtol=3e-2, atol=1e-4)
+    np.testing.assert_allclose(analytic, fd, rtol=3e-2, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ rotate_half, as rl_jax does, so q/k weights load without permutation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from typing import Any
@@ -280,16 +281,20 @@ def _hf_tensors(cfg: ModelConfig, params: dict):
   """[(HF name, nbytes, convert)] in checkpoint order; convert() builds one HF tensor."""
   host = jax.tree.map(np.asarray, jax.device_get(params))
 
-  def entry(hf_name, array, hf_shape, linear):
-    return hf_name, array.nbytes, lambda: _to_hf(array, hf_shape, linear)
+  out = []
 
-  top = _top_specs(cfg)
-  out = [entry(top[0][1], host[top[0][0]], *top[0][2:])]
+  def add(hf_name, array, hf_shape, linear):
+    out.append((hf_name, array.nbytes, functools.partial(_to_hf, array, hf_shape, linear)))
+
+  # transformers' order: embeddings, layers, final norm, lm_head.
+  embed, *tail = _top_specs(cfg)
+  for ours, hf_name, hf_shape, linear in [embed]:
+    add(hf_name, host[ours], hf_shape, linear)
   for i in range(cfg.num_layers):
     for ours, suffix, hf_shape, linear in _layer_specs(cfg):
-      out.append(entry(f"model.layers.{i}.{suffix}", host["layers"][ours][i], hf_shape, linear))
-  out += [entry(hf_name, host[ours], hf_shape, linear)
-          for ours, hf_name, hf_shape, linear in top[1:]]
+      add(f"model.layers.{i}.{suffix}", host["layers"][ours][i], hf_shape, linear)
+  for ours, hf_name, hf_shape, linear in tail:
+    add(hf_name, host[ours], hf_shape, linear)
   return out
 
 

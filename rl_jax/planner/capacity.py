@@ -224,29 +224,38 @@ def _sampler_busy_per_step(pred: Prediction) -> float:
   return busy / max(last["step"] - base["step"], 1)
 
 
-def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: int,
-             profile, model_cfg, params: int, device: DeviceSpec, memory_gib: float,
-             num_steps: int, max_discard_rate: float, length_scale: float = 1.0,
-             verifier_scale: float = 1.0) -> Candidate:
-  """Checks one candidate and, when it can run, simulates it."""
+def check_layout(cfg, *, layout: Layout, model_cfg, params: int,
+                 memory_gib: float) -> tuple[memory_lib.MemoryEstimate, str]:
+  """(memory estimate, rejection reason or "") of a layout, before any simulation."""
   rl = cfg.rl
   t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
   mem = memory_lib.estimate(cfg=cfg, model_cfg=model_cfg, params=params, sampler_tensor=t_s,
                             trainer_devices=layout.trainer_devices, trainer_tensor=t_t,
                             memory_gib=memory_gib, colocated=layout.colocated)
-  cand = Candidate(layout=layout, max_staleness=max_staleness,
-                   max_inflight_groups=max_inflight_groups, memory=mem)
   batch = rl.groups_per_step * rl.group_size
   dp = layout.trainer_devices // t_t
   gib = 2**30
   if batch % dp:
-    cand.rejected = f"batch {batch} does not split over {dp} trainer data shards"
-  elif not mem.sampler_fits:
-    cand.rejected = f"sampler needs {mem.sampler_bytes / gib:.1f} GiB > {mem.limit_bytes / gib:.1f}"
-  elif not mem.trainer_fits:
-    cand.rejected = f"trainer needs {mem.trainer_bytes / gib:.1f} GiB > {mem.limit_bytes / gib:.1f}"
-  elif rl.mode == "async" and max_inflight_groups < rl.groups_per_step:
-    cand.rejected = f"in-flight limit {max_inflight_groups} < groups_per_step {rl.groups_per_step}"
+    return mem, f"batch {batch} does not split over {dp} trainer data shards"
+  if not mem.sampler_fits:
+    return mem, f"sampler needs {mem.sampler_bytes / gib:.1f} GiB > {mem.limit_bytes / gib:.1f}"
+  if not mem.trainer_fits:
+    return mem, f"trainer needs {mem.trainer_bytes / gib:.1f} GiB > {mem.limit_bytes / gib:.1f}"
+  return mem, ""
+
+
+def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: int,
+             profile, model_cfg, params: int, device: DeviceSpec, memory_gib: float,
+             num_steps: int, max_discard_rate: float, length_scale: float = 1.0,
+             verifier_scale: float = 1.0) -> Candidate:
+  """Checks one candidate and, when it can run, simulates it."""
+  mem, reason = check_layout(cfg, layout=layout, model_cfg=model_cfg, params=params,
+                             memory_gib=memory_gib)
+  cand = Candidate(layout=layout, max_staleness=max_staleness,
+                   max_inflight_groups=max_inflight_groups, memory=mem, rejected=reason)
+  if cfg.rl.mode == "async" and max_inflight_groups < cfg.rl.groups_per_step:
+    cand.rejected = (f"in-flight limit {max_inflight_groups} < groups_per_step "
+                     f"{cfg.rl.groups_per_step}")
   if cand.rejected:
     return cand
   cand.scenario = scenario(cfg, layout=layout, profile=profile, model_cfg=model_cfg,
@@ -264,6 +273,19 @@ def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: in
   return cand
 
 
+def recommend(cands: list[Candidate], *, tolerance: float = 0.02) -> Candidate | None:
+  """The accepted candidate with the most useful rollouts per hour; among those within
+  `tolerance` of it (simulation noise), the one with the tightest staleness bound, then
+  the freshest data (lowest mean staleness), since stale data costs learning stability."""
+  ok = [c for c in cands if not c.rejected]
+  if not ok:
+    return None
+  top = max(c.useful_per_hour for c in ok)
+  near = [c for c in ok if c.useful_per_hour >= (1 - tolerance) * top]
+  return min(near, key=lambda c: (c.max_staleness, c.prediction.staleness_mean,
+                                  -c.useful_per_hour))
+
+
 def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"],
          memory_gib: float | None = None, staleness_values=None, inflight_values=None,
          max_discard_rate: float = 0.05, max_steps: int = 200) -> Plan:
@@ -271,7 +293,8 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   recommended candidate against 2x longer responses and 2x slower verification.
 
   inflight_values holds max_inflight_groups settings, -1 meaning (max_staleness + 1) *
-  groups_per_step. Simulated runs last min(rl.total_steps, max_steps) optimizer steps.
+  groups_per_step. Layouts that fail memory or batch checks appear once. Simulated runs
+  last min(rl.total_steps, max_steps) optimizer steps.
   """
   rl = cfg.rl
   if devices < 1:
@@ -288,19 +311,26 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   if rl.mode == "sync" and (len(staleness_values) > 1 or len(inflight_values) > 1):
     notes.append("sync mode: staleness bound 0 and one batch in flight; sweeps ignored")
     staleness_values, inflight_values = [rl.max_staleness], [rl.max_inflight_groups]
+  settings = sorted({(st, (st + 1) * rl.groups_per_step if inf < 0 else inf)
+                     for st in staleness_values for inf in inflight_values})
   model_cfg, params = model_shape(cfg)
+  memory_gib = memory_gib or device.memory_gib
   common = dict(profile=profile, model_cfg=model_cfg, params=params, device=device,
-                memory_gib=memory_gib or device.memory_gib,
-                num_steps=min(int(rl.total_steps), max_steps), max_discard_rate=max_discard_rate)
+                memory_gib=memory_gib, num_steps=min(int(rl.total_steps), max_steps),
+                max_discard_rate=max_discard_rate)
   cands = []
   for layout in options:
-    for staleness in staleness_values:
-      for inflight in inflight_values:
-        limit = (staleness + 1) * rl.groups_per_step if inflight < 0 else inflight
-        cands.append(evaluate(cfg, layout=layout, max_staleness=staleness,
-                              max_inflight_groups=limit, **common))
+    mem, reason = check_layout(cfg, layout=layout, model_cfg=model_cfg, params=params,
+                               memory_gib=memory_gib)
+    if reason:
+      st, inf = settings[0]
+      cands.append(Candidate(layout=layout, max_staleness=st, max_inflight_groups=inf,
+                             memory=mem, rejected=reason))
+      continue
+    cands += [evaluate(cfg, layout=layout, max_staleness=st, max_inflight_groups=inf, **common)
+              for st, inf in settings]
   cands.sort(key=lambda c: (bool(c.rejected), -c.useful_per_hour))
-  best = cands[0] if not cands[0].rejected else None
+  best = recommend(cands)
   sensitivity = []
   if best is not None:
     for name, kw in (("2x longer responses", dict(length_scale=2.0)),
@@ -309,8 +339,7 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
                       max_inflight_groups=best.max_inflight_groups, **common, **kw)
              for lay in options]
       same = next(c for c in alt if c.layout == best.layout)
-      ok = [c for c in alt if not c.rejected]
-      top = max(ok, key=lambda c: c.useful_per_hour) if ok else None
+      top = recommend(alt)
       sensitivity.append({
           "case": name, "candidate": same,
           "change": same.useful_per_hour / best.useful_per_hour - 1,

@@ -21,11 +21,13 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             trainer/padded_tokens when logged, else rows x bucket(prompt + lengths/p99).
             The rate is divided by D_eff of the pilot's trainer devices.
   lengths   summary completion_lengths when present (empirical), else a lognormal:
-            median = median of lengths/p50, sigma = ln(p90 / p50) / 1.2816, or from the
+            median = mean of lengths/p50, sigma = ln(p90 / p50) / 1.2816, or from the
             truncation rate when p90 sits at the cap; drift = exp(slope) - 1 of
             ln(p50) against step, kept when the slope exceeds two standard errors.
   verifier  summary verifier_latencies_s when present (empirical), else a lognormal
-            with median p50 and sigma = ln(p95 / p50) / 1.645 from latency/verifier_*.
+            with median p50 and sigma = sqrt(2 ln(mean / p50)) when latency/verifier_mean
+            is logged, else the least-squares sigma of ln(p_q / p50) = sigma z_q over
+            p95 and p99 (means over the window's rows).
   sync      summary weight_sync_s_mean.
 """
 from __future__ import annotations
@@ -164,9 +166,11 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
   return best
 
 
-def _median(rows, key) -> float | None:
+def _mean(rows, key) -> float | None:
+  """Mean over rows of a logged value. For per-row percentiles the mean is the better
+  pool: a tail percentile of a small interval sample is skewed low, its median more so."""
   values = [r[key] for r in rows if r.get(key) is not None]
-  return float(np.median(values)) if values else None
+  return float(np.mean(values)) if values else None
 
 
 def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
@@ -177,14 +181,14 @@ def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
     notes.append(f"lengths: empirical, {len(raw)} completions from summary.json")
     return LengthModel(kind="empirical", max_tokens=cap, values=tuple(float(v) for v in raw))
   _, win = window(pilot.rows)
-  p50 = _median(win, "lengths/p50")
-  p90 = _median(win, "lengths/p90")
+  p50 = _mean(win, "lengths/p50")
+  p90 = _mean(win, "lengths/p90")
   if not p50:
     raise ProfileError(f"--profile: {pilot.workdir}/metrics.jsonl has no lengths/p50 values")
   if p90 and p90 < cap and p90 > p50:
     sigma = math.log(p90 / p50) / 1.2816
   else:
-    trunc = min(max(_median(win, "lengths/truncation_rate") or 0.0, 1e-3), 0.5)
+    trunc = min(max(_mean(win, "lengths/truncation_rate") or 0.0, 1e-3), 0.5)
     z = statistics.NormalDist().inv_cdf(1 - trunc)
     sigma = max(math.log(cap / p50), 1e-3) / max(z, 1e-3)
   steps = np.asarray([r["step"] for r in pilot.rows if r.get("lengths/p50")], np.float64)
@@ -211,12 +215,19 @@ def fit_verifier(pilot: Pilot, notes: list[str]) -> Latency:
     notes.append(f"verifier: empirical, {len(raw)} calls from summary.json")
     return Latency(kind="empirical", values=tuple(float(v) for v in raw))
   _, win = window(pilot.rows)
-  p50 = _median(win, "latency/verifier_p50")
-  p95 = _median(win, "latency/verifier_p95")
+  p50 = _mean(win, "latency/verifier_p50")
   if not p50 or p50 <= 0:
     notes.append("verifier: no latency/verifier_p50 in metrics.jsonl; verification taken as instant")
     return Latency(kind="none")
-  sigma = math.log(p95 / p50) / 1.645 if p95 and p95 > p50 else 1e-3
+  mean = _mean(win, "latency/verifier_mean")
+  if mean and mean > p50:
+    sigma = math.sqrt(2 * math.log(mean / p50))
+  else:
+    # ln p_q = ln p50 + sigma z_q, least squares over the logged upper quantiles.
+    pairs = [(z, _mean(win, f"latency/verifier_{q}")) for z, q in ((1.645, "p95"), (2.326, "p99"))]
+    pairs = [(z, p) for z, p in pairs if p and p > p50]
+    sigma = (sum(z * math.log(p / p50) for z, p in pairs) / sum(z * z for z, _ in pairs)
+             if pairs else 1e-3)
   notes.append(f"verifier: lognormal median {p50:.3g}s sigma {sigma:.2f} (from percentiles)")
   return Latency(kind="lognormal", mean_s=p50 * math.exp(sigma**2 / 2), sigma=sigma)
 
@@ -304,7 +315,7 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
   """Fits every model except a sampler without decode-step counts (see calibrate)."""
   cfg = pilot.cfg
   notes: list[str] = []
-  prompt = pilot.summary.get("prompt_tokens_mean") or _median(pilot.rows, "lengths/prompt_mean")
+  prompt = pilot.summary.get("prompt_tokens_mean") or _mean(pilot.rows, "lengths/prompt_mean")
   if prompt is None:
     prompt = cfg.data.max_prompt_length
     notes.append(f"prompt length: not logged; using data.max_prompt_length = {prompt}")

@@ -32,10 +32,13 @@ def format_plan(plan: Plan) -> str:
   rank = 0
   for c in plan.candidates:
     rank += 0 if c.rejected else 1
-    lines.append(_row(rank if not c.rejected else "-", c))
+    mark = "*" if c is plan.recommended else ""
+    lines.append(_row(f"{mark}{rank}" if not c.rejected else "-", c))
   best = plan.recommended
   if best is None:
-    lines.append("no layout passes the memory and staleness checks")
+    lines.append("no layout passes the memory and staleness checks; when discards reject them, "
+                 "a lower --sweep-inflight (e.g. groups_per_step) or a larger "
+                 "--sweep-staleness may pass")
     return "\n".join(lines)
   p = best.prediction
   lines.append(f"recommended: {best.layout.label} (max_staleness {best.max_staleness}, "

@@ -31,8 +31,9 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               trainer trains or publishes.
 
 Per optimizer step the simulation writes a row with loop.py's metric names (time_s,
-queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, ...), so the same
-steady-state estimator reads a simulated run and a pilot's metrics.jsonl.
+queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, lengths/p50, ...),
+plus sampler/decode_steps, trainer/step_time_s and trainer/padded_tokens, so the same
+steady-state estimator and profile fit read a simulated run and a pilot's metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -238,6 +239,7 @@ class _Sim:
     self.batch_staleness: list[int] = []
     self.trainer_busy = False
     self.train_start = 0.0
+    self.train_s = 0.0
     self.done = False
     # Accounting.
     self.sampler_busy_s = 0.0
@@ -257,6 +259,10 @@ class _Sim:
     self.last_change = 0.0
     self.rows: list[dict] = []
     self.last_row = (0.0, 0, 0)
+    # Since the last row, for the percentiles loop.py logs.
+    self.row_lengths: list[int] = []
+    self.row_verifier_s: list[float] = []
+    self.row_decode_steps = 0
 
   # -- sampler ---------------------------------------------------------------------
 
@@ -303,8 +309,10 @@ class _Sim:
       self.rem -= steps
       self.ctx += steps
       self.sampler_tokens += steps * len(self.rem)
+      self.row_decode_steps += steps
       done = self.rem <= 0
       if done.any():
+        self.row_lengths.extend((self.ctx[done] - sc.prompt_tokens).tolist())
         for g in self.gid[done]:
           self._rollout_finished(now, int(g))
         keep = ~done
@@ -358,7 +366,9 @@ class _Sim:
 
   def _rollout_finished(self, now: float, gid: int) -> None:
     self.generated += 1
-    finish = self.pool.arrive(now, gid, self.sc.verifier.service_s(self.rng))
+    service_s = self.sc.verifier.service_s(self.rng)
+    self.row_verifier_s.append(service_s)
+    finish = self.pool.arrive(now, gid, service_s)
     if finish is not None:
       self.events.push(finish, "verified", gid)
 
@@ -423,6 +433,7 @@ class _Sim:
   def _step_done(self, now: float, published_s: float) -> None:
     self.trainer_busy = False
     self.trainer_busy_s += now - self.train_start
+    self.train_s = now - self.train_start - published_s
     self.sync_busy_s += published_s
     if self.step % self.sc.weight_sync_every == 0:
       self.pending_version = self.version
@@ -443,6 +454,8 @@ class _Sim:
     t_prev, samp_prev, train_prev = self.last_row
     dt = max(now - t_prev, 1e-12)
     busy_s = self.sampler_busy_s + (now - self.segment.t0 if self.segment else 0.0)
+    lengths = np.asarray(self.row_lengths or [0])
+    vlat = np.asarray(self.row_verifier_s or [0.0])
     self.rows.append({
         "step": self.step, "time_s": now,
         "sampler/tokens_per_s": (self.sampler_tokens - samp_prev) / dt,
@@ -456,8 +469,15 @@ class _Sim:
         "staleness/accepted": self.accepted_groups,
         "weight_sync/duration_s": published_s,
         "weight_sync/version": self.version,
+        "sampler/active_slots": len(self.rem),
+        "sampler/decode_steps": self.row_decode_steps,
+        "trainer/step_time_s": self.train_s,
+        **{f"lengths/p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 95, 99)},
+        "lengths/truncation_rate": float(np.mean(lengths >= self.sc.lengths.max_tokens)),
+        **{f"latency/verifier_p{q}": float(np.percentile(vlat, q)) for q in (50, 95, 99)},
     })
     self.last_row = (now, self.sampler_tokens, self.trainer_tokens)
+    self.row_lengths, self.row_verifier_s, self.row_decode_steps = [], [], 0
 
   # -- run ---------------------------------------------------------------------------
 

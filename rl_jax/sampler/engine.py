@@ -359,7 +359,7 @@ class Engine:
     rep = shd.replicated(mesh)
     batch_vec = self._sharding(("batch",), (self._slots,))
     s_b = self._sharding((None, "batch"), (self.steps_per_call, self._slots))
-    out_shardings = StepOutput(s_b, s_b, s_b, s_b, batch_vec)
+    self.output_shardings = StepOutput(s_b, s_b, s_b, s_b, batch_vec)
     prefix_sh = self._sharding(_PREFIX_AXES, (cfg.num_layers, self._max_prefill_length,
                                               cfg.num_kv_heads, cfg.head_dim))
     self.prefix_shardings = Prefix(prefix_sh, prefix_sh, rep, rep)
@@ -372,7 +372,7 @@ class Engine:
     self._generate = jax.jit(
         functools.partial(_generate, model_cfg=cfg, stop_ids=self.stop_ids,
                           page_size=self.page_size, steps=self.steps_per_call),
-        in_shardings=(self.param_shardings, st), out_shardings=(st, out_shardings),
+        in_shardings=(self.param_shardings, st), out_shardings=(st, self.output_shardings),
         donate_argnums=(1,))
     self._prefill = jax.jit(
         functools.partial(_prefill, model_cfg=cfg, kv_dtype=self.kv_dtype),

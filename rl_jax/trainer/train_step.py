@@ -35,7 +35,6 @@ RL with fresh Adam moments (and, when kl_beta > 0, the warmed-up params as refer
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -186,6 +185,7 @@ def _global_norm(tree) -> jax.Array:
 
 
 def _tree_where(flag: jax.Array, new, old):
+  """new where flag else old, leaf by leaf (a select: the kept tree is bitwise unchanged)."""
   return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
 
@@ -308,8 +308,6 @@ class Trainer:
     """Traces of the jitted functions (each trace is one compilation)."""
     return sum(self._traces.values())
 
-  # -- state ---------------------------------------------------------------------------------
-
   def _make_init(self, optimizer, *, from_rng: bool):
     def init(x):
       self._traces["init"] += 1
@@ -340,8 +338,6 @@ class Trainer:
   def init_sft_state(self, params=None, rng=None) -> TrainState:
     """Supervised warm-up state (its own optimizer, constant sft_learning_rate)."""
     return self._init("sft", params, rng)
-
-  # -- jitted bodies -------------------------------------------------------------------------
 
   def _forward(self, params, tokens_bt):
     # Casting before the forward makes FSDP gather compute-dtype (e.g. bf16) shards.
@@ -402,6 +398,7 @@ class Trainer:
     return self._accumulate(params, mb, self._grpo_micro_loss)
 
   def _loss_and_grad_fn(self, params, batch, prox_bt, ref_params):
+    """GRPO loss of the whole batch with a given pi_prox, and its gradient."""
     self._traces["loss_and_grad"] += 1
     data = dict(batch, prox_bt=prox_bt)
     if self.cfg.kl_beta > 0:
@@ -410,6 +407,8 @@ class Trainer:
     return loss, grads
 
   def _train_step(self, state: TrainState, batch, ref_params):
+    """num_minibatches GRPO updates (module docstring); metrics are token means over the
+    whole batch except loss / pg_loss / grad_norm / update_norm (means over minibatches)."""
     self._traces["step"] += 1
     nm = self.num_minibatches
     data = dict(batch)
@@ -478,10 +477,9 @@ class Trainer:
                       skipped=skipped), metrics
 
   def _logprobs_fn(self, params, tokens_bt):
+    """logp_bt[:, t] = log pi(tokens_bt[:, t + 1]) without gradient."""
     self._traces["logprobs"] += 1
     return self._chunked_logprobs(params, tokens_bt)
-
-  # -- public API ----------------------------------------------------------------------------
 
   def make_train_batch(self, groups: Sequence[Group]) -> TrainBatch:
     return make_train_batch(groups, pad_id=self.model_cfg.pad_id,
@@ -535,7 +533,3 @@ class Trainer:
     """
     return self._loss_and_grad(params, self._device_batch(batch, GRPO_KEYS), prox_logprobs_bt,
                                self._reference())
-
-  @staticmethod
-  def num_params(params) -> int:
-    return int(sum(math.prod(p.shape) for p in jax.tree.leaves(params)))

@@ -1,0 +1,66 @@
+"""Benchmarks, one subcommand each; imports are lazy so each loads only what it needs.
+
+  python launch/bench.py train [--preset tiny_char] [--seq 256] [--batch 16] [--steps 10]
+
+Each subcommand prints one JSON line (for tools) and a small table (for people).
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _table(row: dict, keys) -> str:
+  width = max(len(k) for k in keys)
+  fmt = lambda v: f"{v:,.4g}" if isinstance(v, float) else str(v)
+  return "\n".join(f"{k:<{width}}  {fmt(row[k])}" for k in keys if k in row)
+
+
+def train(args):
+  """Tokens/s (and MFU against --peak-tflops per device) of the GRPO update."""
+  import jax
+  from configs import base
+  from rl_jax import model
+  from rl_jax.trainer import benchmark
+
+  model_cfg = model.get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat)
+  trainer_cfg = base.get_config().trainer
+  trainer_cfg.micro_batch_size = args.micro_batch
+  trainer_cfg.num_minibatches = args.minibatches
+  trainer_cfg.kl_beta = args.kl_beta
+  mesh = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else (jax.device_count(), 1, 1)
+  row = benchmark.run_train_benchmark(
+      model_cfg, trainer_cfg, mesh_shape=mesh, batch=args.batch, seq_len=args.seq,
+      steps=args.steps, warmup=args.warmup, peak_tflops=args.peak_tflops)
+  print(json.dumps(row))
+  print(_table(row, ("device", "mesh", "params", "dtype", "batch", "seq", "step_ms_p50",
+                     "tokens_per_s", "loss_tokens_per_s", "achieved_tflops", "mfu")))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  p = sub.add_parser("train", help=train.__doc__)
+  p.add_argument("--preset", default="tiny_char")
+  p.add_argument("--seq", type=int, default=256, help="tokens per row (prompt + completion)")
+  p.add_argument("--batch", type=int, default=16, help="rollouts per step")
+  p.add_argument("--steps", type=int, default=10, help="timed steps")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps (include compilation)")
+  p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
+  p.add_argument("--remat", action="store_true", help="recompute layer activations")
+  p.add_argument("--mesh", default="", help="trainer mesh data,fsdp,tensor (default: all data)")
+  p.add_argument("--micro-batch", type=int, default=0)
+  p.add_argument("--minibatches", type=int, default=1)
+  p.add_argument("--kl-beta", type=float, default=0.0)
+  p.add_argument("--peak-tflops", type=float, default=0.0,
+                 help="peak dense TFLOP/s per device for MFU (e.g. 790 for an H200 in bf16)")
+  p.set_defaults(fn=train)
+  args = parser.parse_args(argv)
+  args.fn(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,110 @@
+"""JetStream 0.2.2's own orchestrator (and gRPC server) driving rl_jax's paged engine."""
+import asyncio
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# jetstream's engine_api pulls in seqio and TensorFlow; only skip where it cannot load.
+pytest.importorskip("jetstream.engine.engine_api",
+                    reason="google-jetstream (with seqio/TensorFlow) is not importable")
+
+from jetstream.core import orchestrator  # noqa: E402
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
+
+from rl_jax import model  # noqa: E402
+from rl_jax import sharding as shd  # noqa: E402
+from rl_jax.sampler import engine as E  # noqa: E402
+from rl_jax.sampler import jetstream_adapter as JA  # noqa: E402
+
+CFG = model.get_preset("tiny_char")
+TOK = model.CharTokenizer()
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def params():
+  p = model.init_params(CFG, jax.random.key(1))
+  return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, p)
+
+
+@pytest.fixture(scope="module")
+def adapter(params):
+  eng = E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
+                 max_concurrent_decodes=4, page_size=4, num_pages=32, max_prefill_length=16,
+                 max_new_tokens=MAX_NEW, tokenizer=TOK)
+  return JA.JetStreamEngine(eng, params=params)
+
+
+def reference(params, prompt_ids, max_tokens):
+  """Greedy ids after [bos] + prompt (what JetStream feeds), up to a stop id."""
+  seq = [TOK.bos_id] + list(prompt_ids)
+  out = []
+  for _ in range(max_tokens):
+    t = int(jnp.argmax(model.apply(CFG, params, jnp.asarray([seq]))[0, -1]))
+    if t in TOK.stop_ids:
+      break
+    out.append(t)
+    seq.append(t)
+  return out
+
+
+def test_abstract_api_is_complete(adapter):
+  assert not getattr(JA.JetStreamEngine, "__abstractmethods__", None)
+  tok = adapter.build_tokenizer(adapter.get_tokenizer())
+  ids, n = tok.encode("12+3=", is_bos=True, max_prefill_length=16, jax_padding=False)
+  assert n == 6 and ids.shape == (16,) and ids[0] == TOK.bos_id
+  assert tok.decode(list(ids[1:n])) == "12+3="
+  assert tok.stop_tokens == set(TOK.stop_ids)
+
+
+def test_orchestrator_drives_adapter(adapter, params):
+  driver = JA.make_driver(adapter, adapter.load_params())
+  client = orchestrator.LLMOrchestrator(driver=driver)
+  texts = ["12+3=", "7+7=", "99+1=", "hello", "a", "40+2="]  # more requests than slots
+
+  async def decode(text, max_tokens):
+    request = jetstream_pb2.DecodeRequest(
+        session_cache="", priority=1, max_tokens=max_tokens,
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=TOK.encode(text)))
+    ids = []
+    async for resp in client.Decode(request):
+      ids.extend(resp.stream_content.samples[0].token_ids)
+    return ids
+
+  async def run_all():
+    return await asyncio.gather(*[decode(t, 3 + i % 4) for i, t in enumerate(texts)])
+
+  try:
+    got = asyncio.run(run_all())
+  finally:
+    driver.stop()
+  for i, (text, ids) in enumerate(zip(texts, got)):
+    assert ids == reference(params, TOK.encode(text), 3 + i % 4), text
+
+
+def test_grpc_server_round_trip(adapter, params):
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  server = JA.serve(adapter, adapter.load_params(), port=port)
+  import grpc
+
+  async def call():
+    async with grpc.aio.secure_channel(
+        f"localhost:{port}",
+        grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)) as channel:
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+      assert (await stub.HealthCheck(jetstream_pb2.HealthCheckRequest())).is_live
+      request = jetstream_pb2.DecodeRequest(
+          session_cache="", priority=1, max_tokens=5,
+          text_content=jetstream_pb2.DecodeRequest.TextContent(text="12+3="))
+      return "".join([r.stream_content.samples[0].text async for r in stub.Decode(request)])
+
+  try:
+    text = asyncio.run(call())
+  finally:
+    server.stop()
+  assert text == TOK.decode(reference(params, TOK.encode("12+3="), 5))
