@@ -56,6 +56,7 @@ def get_config(arg=None):
   c.trainer.std_normalize = True  # GRPO; False: Dr. GRPO
   c.trainer.kl_beta = 0.0  # 0 skips the reference forward
   c.trainer.kl_estimator = "k3"  # k1 | k3
+  c.trainer.loss_norm_len = 0  # Dr. GRPO's constant length; 0: sampler.max_new_tokens
 
   c.rl = ml_collections.ConfigDict()
   c.rl.mode = "async"  # sync | async

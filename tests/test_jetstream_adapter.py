@@ -1,5 +1,7 @@
 """JetStream 0.2.2's own orchestrator (and gRPC server) driving rl_jax's paged engine."""
 import asyncio
+import functools
+import logging
 import socket
 
 import jax
@@ -13,6 +15,11 @@ pytest.importorskip("jetstream.engine.engine_api",
 
 from jetstream.core import orchestrator  # noqa: E402
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
+
+# Importing the orchestrator sets the root logger to DEBUG with its own stdout handler;
+# undo that so JAX's debug logs do not flood (or outlive) the test's captured stdout.
+logging.getLogger().removeHandler(orchestrator.handler)
+logging.getLogger().setLevel(logging.WARNING)
 
 from rl_jax import model  # noqa: E402
 from rl_jax import sharding as shd  # noqa: E402
@@ -38,12 +45,19 @@ def adapter(params):
   return JA.JetStreamEngine(eng, params=params)
 
 
+@functools.lru_cache(maxsize=None)
+def _apply_fn():
+  return jax.jit(lambda p, t: model.apply(CFG, p, t))
+
+
 def reference(params, prompt_ids, max_tokens):
   """Greedy ids after [bos] + prompt (what JetStream feeds), up to a stop id."""
   seq = [TOK.bos_id] + list(prompt_ids)
   out = []
   for _ in range(max_tokens):
-    t = int(jnp.argmax(model.apply(CFG, params, jnp.asarray([seq]))[0, -1]))
+    padded = np.zeros((1, 32), np.int32)
+    padded[0, :len(seq)] = seq
+    t = int(jnp.argmax(_apply_fn()(params, jnp.asarray(padded))[0, len(seq) - 1]))
     if t in TOK.stop_ids:
       break
     out.append(t)

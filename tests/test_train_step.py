@@ -70,6 +70,10 @@ def test_make_train_batch_layout():
   np.testing.assert_array_equal(batch.behavior_logprobs_bt[4, 3:6], [-1, -2, -3])
   np.testing.assert_array_equal(batch.versions_bt[4, 2:7], [-1, 5, 5, 6, -1])
   assert not batch.mask_bt[8].any() and batch.advantages_b[8] == 0  # padding row
+  padded = ts.pad_rows(batch, multiple=4, pad_id=0)
+  assert padded.tokens_bt.shape == (12, 16) and padded.num_tokens == batch.num_tokens
+  np.testing.assert_array_equal(padded.versions_bt[9:], -1)
+  assert ts.pad_rows(padded, multiple=4, pad_id=0) is padded
   long = ts.make_train_batch(_groups(1, max_completion=20), pad_id=0, length_buckets=(16, 32),
                              std_normalize=False)
   assert long.seq_len == 32

@@ -108,7 +108,9 @@ class Pipeline:
     self.heldout_prompts = [r["prompt_tokens"] for r in records]
 
     self.trainer = Trainer(model_cfg, cfg.trainer, self.meshes.trainer,
-                           total_steps=cfg.rl.total_steps)
+                           total_steps=cfg.rl.total_steps,
+                           sft_learning_rate=cfg.warmstart.learning_rate,
+                           loss_norm_len=cfg.trainer.loss_norm_len or cfg.sampler.max_new_tokens)
     rng = jax.random.PRNGKey(cfg.seed)
     self.state = self.trainer.init_state(params=init_params, rng=rng)
     self.weight_sync = WeightSync(
@@ -321,12 +323,12 @@ class Pipeline:
 
   def warmstart(self) -> None:
     from rl_jax.data.prompts import encode_prompt
-    from rl_jax.trainer.train_step import make_sft_batch
     w = self.cfg.warmstart
     if w.steps <= 0:
       return
     rng = np.random.default_rng(self.cfg.seed + 7)
     n = self.task.num_train
+    sft = self.trainer.init_sft_state(params=self.state.params)
     for step in range(w.steps):
       idx = rng.integers(0, n, size=w.batch_size)
       examples = [self.task.example(int(i)) for i in idx]
@@ -334,15 +336,15 @@ class Pipeline:
                                max_length=self.cfg.data.max_prompt_length)[0] for e in examples]
       completions = [self.tokenizer.encode(self.task.demonstration(e)) + [self.tokenizer.eos_id]
                      for e in examples]
-      batch = make_sft_batch(prompts, completions, pad_id=self.tokenizer.pad_id,
-                             length_buckets=self.cfg.trainer.length_buckets,
-                             dp_size=self.meshes.trainer_dp)
-      self.state, m = self.trainer.sft_step(self.state, batch, learning_rate=w.learning_rate)
+      sft, m = self.trainer.sft_step(sft, self.trainer.make_sft_batch(prompts, completions))
       if step % 50 == 0 or step == w.steps - 1:
-        self.console.message(f"warm-up step {step}: loss {m['loss']:.3f}")
+        self.console.message(f"warm-up step {step}: loss {m['loss']:.3f} "
+                             f"token accuracy {m['token_accuracy']:.3f}")
+    # RL starts from the warmed-up params with fresh optimizer moments; with kl_beta > 0
+    # they are also the reference policy.
+    self.state = self.trainer.init_state(params=sft.params)
 
   def run(self) -> dict:
-    from rl_jax.trainer.train_step import make_train_batch
     cfg = self.cfg
     self._sampler_thread = None
     self.warmstart()
@@ -361,11 +363,7 @@ class Pipeline:
       while step < cfg.rl.total_steps:
         groups = self._next_batch()
         t0 = self.clock.now()
-        batch = make_train_batch(groups, pad_id=self.tokenizer.pad_id,
-                                 length_buckets=cfg.trainer.length_buckets,
-                                 std_normalize=cfg.trainer.std_normalize,
-                                 dp_size=self.meshes.trainer_dp)
-        self.state, tm = self.trainer.step(self.state, batch)
+        self.state, tm = self.trainer.step(self.state, self.trainer.make_train_batch(groups))
         step += 1
         trained = sum(len(g.rollouts) for g in groups)
         self.counts["rollouts_trained"] += trained

@@ -306,6 +306,7 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
                     f"{t_s} devices plus a trainer of mesh.trainer.tensor={t_t}")
   notes = list(profile.notes) if profile is not None else [
       "no --profile: roofline priors for the model preset on " + device.name]
+  swept_inflight = bool(inflight_values)
   staleness_values = list(staleness_values or [rl.max_staleness])
   inflight_values = list(inflight_values or [rl.max_inflight_groups])
   if rl.mode == "sync" and (len(staleness_values) > 1 or len(inflight_values) > 1):
@@ -318,17 +319,25 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   common = dict(profile=profile, model_cfg=model_cfg, params=params, device=device,
                 memory_gib=memory_gib, num_steps=min(int(rl.total_steps), max_steps),
                 max_discard_rate=max_discard_rate)
-  cands = []
-  for layout in options:
-    mem, reason = check_layout(cfg, layout=layout, model_cfg=model_cfg, params=params,
-                               memory_gib=memory_gib)
-    if reason:
-      st, inf = settings[0]
-      cands.append(Candidate(layout=layout, max_staleness=st, max_inflight_groups=inf,
-                             memory=mem, rejected=reason))
-      continue
-    cands += [evaluate(cfg, layout=layout, max_staleness=st, max_inflight_groups=inf, **common)
-              for st, inf in settings]
+  checked = [(lay, *check_layout(cfg, layout=lay, model_cfg=model_cfg, params=params,
+                                 memory_gib=memory_gib)) for lay in options]
+  cands = [Candidate(layout=lay, max_staleness=settings[0][0],
+                     max_inflight_groups=settings[0][1], memory=mem, rejected=reason)
+           for lay, mem, reason in checked if reason]
+
+  def sweep(settings):
+    return [evaluate(cfg, layout=lay, max_staleness=st, max_inflight_groups=inf, **common)
+            for lay, _, reason in checked if not reason for st, inf in settings]
+
+  cands += sweep(settings)
+  if (recommend(cands) is None and not swept_inflight and rl.mode == "async" and
+      any(c.prediction is not None for c in cands)):
+    # The configured in-flight limit discards too much everywhere; one batch in flight
+    # is the freshest async setting, so try it before giving up.
+    extra = sorted({(st, rl.groups_per_step) for st, _ in settings} - set(settings))
+    notes.append(f"every layout failed with the configured in-flight limit; also tried "
+                 f"max_inflight_groups = groups_per_step = {rl.groups_per_step}")
+    cands += sweep(extra)
   cands.sort(key=lambda c: (bool(c.rejected), -c.useful_per_hour))
   best = recommend(cands)
   sensitivity = []

@@ -150,16 +150,20 @@ def steady_state(rows: list[dict], *, skip_frac: float = 0.1) -> dict[str, float
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-  """argmin ||a x - y|| subject to x >= 0, by trying every column subset (few columns)."""
+  """argmin ||a x - y|| subject to x >= 0, by trying every column subset (few columns).
+
+  Subsets go from fewest columns up and a larger one must fit clearly better, so
+  collinear columns (e.g. a context length that never varied) stay at zero.
+  """
   n = a.shape[1]
   best, best_err = np.zeros(n), float(np.sum(y * y))
-  for mask in range(1, 2**n):
+  for mask in sorted(range(1, 2**n), key=lambda m: (bin(m).count("1"), m)):
     cols = [j for j in range(n) if mask >> j & 1]
     x, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
     if np.any(x < 0):
       continue
     err = float(np.sum((a[:, cols] @ x - y) ** 2))
-    if err < best_err:
+    if err < best_err - 1e-9 * max(best_err, float(np.sum(y * y))):
       best = np.zeros(n)
       best[cols] = x
       best_err = err

@@ -15,7 +15,7 @@ def _row(rank, c) -> str:
   head = f"{rank:>4} {c.layout.label:>8} {c.max_staleness:>5} {c.max_inflight_groups:>5}"
   if p is None:
     return f"{head} {'-':>10} {'-':>8} {'':>29} {'':>14} {mem}  rejected: {c.rejected}"
-  status = f"rejected: {c.rejected}" if c.rejected else c.diagnosis
+  status = f"{c.diagnosis}; rejected: {c.rejected}" if c.rejected else c.diagnosis
   return (f"{head} {p.trained_rollouts_per_hour:>10.4g} {p.steps_per_hour:>8.4g} "
           f"{p.sampler_busy_frac:>5.2f} {p.trainer_busy_frac:>5.2f} {p.verifier_busy_frac:>5.2f} "
           f"{p.queue_depth_mean:>5.1f}/{p.queue_depth_max:<3d} {p.staleness_mean:>5.2f} "

@@ -27,8 +27,8 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then
               every weight_sync_every steps bumps the version and publishes for
               weight_sync_s (trainer busy throughout).
-  colocated   one device set: the sampler pauses at its next step boundary while the
-              trainer trains or publishes.
+  colocated   one device set: a full batch starts training at the sampler's next step
+              boundary, and the sampler stays paused while the trainer trains and publishes.
 
 Per optimizer step the simulation writes a row with loop.py's metric names (time_s,
 queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, lengths/p50, ...),
@@ -225,6 +225,7 @@ class _Sim:
     self.segment: _Segment | None = None
     self.token = 0
     self.held = False  # colocated: paused while the trainer runs
+    self.step_waiting = False  # colocated: a full batch waits for the current decode step
     self.sampler_version = 0
     self.pending_version: int | None = None
     self.admitted_for_version: collections.Counter = collections.Counter()
@@ -319,6 +320,9 @@ class _Sim:
         self.rem, self.ctx, self.gid = self.rem[keep], self.ctx[keep], self.gid[keep]
     if self.pending_version is not None and (sc.inflight_weight_updates or len(self.rem) == 0):
       self.sampler_version, self.pending_version = self.pending_version, None
+    if self.step_waiting:
+      self.step_waiting = False
+      self._start_step(now)
     if self.held or self.done:
       return
     self._admit(now)
@@ -407,19 +411,26 @@ class _Sim:
       self.batch.append(group)
       self.batch_staleness.append(staleness)
     if len(self.batch) == sc.groups_per_step:
-      rows = -(-sc.groups_per_step * sc.group_size // sc.batch_multiple) * sc.batch_multiple
-      longest = max(int(g.lengths.max()) for g in self.batch) + sc.prompt_tokens
-      tokens = rows * pick_bucket(longest, sc.length_buckets)
-      self.trainer_tokens += tokens
-      self.trained += sc.groups_per_step * sc.group_size
-      self.trainer_busy = True
-      self.train_start = now
-      self.events.push(now + sc.trainer.step_s(tokens=tokens, devices=sc.trainer_devices), "trained")
-      if sc.colocated:
-        self.held = True
+      self.trainer_busy = True  # the batch is full: no more pulls until the step ends
+      self.held = sc.colocated
+      if sc.colocated and self.segment is not None:
+        # The devices are mid decode step: the train step starts at its boundary.
+        self.step_waiting = True
         self._poke(now, force=True)
+      else:
+        self._start_step(now)
     elif took:
       self._poke(now)
+
+  def _start_step(self, now: float) -> None:
+    sc = self.sc
+    rows = -(-sc.groups_per_step * sc.group_size // sc.batch_multiple) * sc.batch_multiple
+    longest = max(int(g.lengths.max()) for g in self.batch) + sc.prompt_tokens
+    tokens = rows * pick_bucket(longest, sc.length_buckets)
+    self.trainer_tokens += tokens
+    self.trained += sc.groups_per_step * sc.group_size
+    self.train_start = now
+    self.events.push(now + sc.trainer.step_s(tokens=tokens, devices=sc.trainer_devices), "trained")
 
   def _trained(self, now: float) -> None:
     sc = self.sc
@@ -538,14 +549,15 @@ def simulate(scenario: Scenario) -> Prediction:
 def diagnose(pred: Prediction, scenario: Scenario) -> str:
   """Names the bottleneck, after the seed's eight-GPU exercise.
 
-    trainer-starved  queue mostly empty (mean depth < 1 group) and the trainer idle
-                     half the time or more, while sampling or verification is busy
+    trainer-starved  queue mostly empty (mean depth under a quarter of a batch) and the
+                     trainer idle half the time or more
     overproducing    staleness near the bound (mean >= bound / 2, bound > 0) with
                      discards, or a queue averaging at least one batch, with a busy trainer
     verifier-bound   trainer-starved, and the verifier pool busier than the sampler
     balanced         neither
   """
-  starved = pred.queue_depth_mean < 1.0 and pred.trainer_busy_frac < 0.5
+  starved = (pred.queue_depth_mean < scenario.groups_per_step / 4 and
+             pred.trainer_busy_frac < 0.5)
   if starved:
     if pred.verifier_busy_frac > max(pred.sampler_busy_frac, 0.8):
       return "verifier-bound"

@@ -12,7 +12,8 @@ p) is predicted at position p + j - 1, so
   behavior_logprobs_bt[i, t] = mu(tokens_bt[i, t + 1]),  versions_bt likewise (-1 off-mask).
 
 Rows are padded to a multiple of `Trainer.batch_multiple` with all-zero-mask rows so the
-batch splits evenly over data-parallel devices, minibatches and micro-batches.
+batch splits evenly over data-parallel devices, minibatches and micro-batches
+(make_*_batch(batch_multiple=...) pads on creation; Trainer.step pads whatever is left).
 
 Update. `Trainer.step` is one jitted call with donated state:
   1. pi_prox (and pi_ref when kl_beta > 0) log-probs of the whole batch at the current
@@ -161,6 +162,20 @@ def make_sft_batch(prompts_tokens: Sequence[np.ndarray],
                     num_rollouts=len(prompts_tokens), zero_var_groups=0)
 
 
+def pad_rows(batch: TrainBatch, *, multiple: int, pad_id: int) -> TrainBatch:
+  """`batch` with zero-mask padding rows appended up to a multiple of `multiple` rows."""
+  extra = _round_up(batch.tokens_bt.shape[0], multiple) - batch.tokens_bt.shape[0]
+  if extra == 0:
+    return batch
+  pad = lambda x, value: np.concatenate(
+      [x, np.full((extra,) + x.shape[1:], value, x.dtype)], axis=0)
+  return dataclasses.replace(
+      batch, tokens_bt=pad(batch.tokens_bt, pad_id), mask_bt=pad(batch.mask_bt, False),
+      behavior_logprobs_bt=pad(batch.behavior_logprobs_bt, 0.0),
+      advantages_b=pad(batch.advantages_b, 0.0), versions_bt=pad(batch.versions_bt, -1),
+      rewards_b=pad(batch.rewards_b, 0.0))
+
+
 class TrainState(NamedTuple):
   """Trainer state; every leaf lives on the trainer mesh."""
   params: Any  # float32 master params, TRAIN_RULES shardings
@@ -300,7 +315,7 @@ class Trainer:
 
   @property
   def batch_multiple(self) -> int:
-    """Rows of a batch must be a multiple of this (make_*_batch pads to it)."""
+    """Rows per step are padded to a multiple of this: num_minibatches x micro-batch rows."""
     return self.num_minibatches * (self.micro_batch_size or self.dp)
 
   @property
@@ -493,10 +508,7 @@ class Trainer:
                           batch_multiple=self.batch_multiple)
 
   def _device_batch(self, batch: TrainBatch, keys) -> dict[str, jax.Array]:
-    rows = batch.tokens_bt.shape[0]
-    if rows % self.batch_multiple:
-      raise ValueError(f"batch has {rows} rows, not a multiple of Trainer.batch_multiple "
-                       f"({self.batch_multiple}); build it with Trainer.make_train_batch")
+    batch = pad_rows(batch, multiple=self.batch_multiple, pad_id=self.model_cfg.pad_id)
     return {k: jax.device_put(getattr(batch, k), self._batch_sharding(k)) for k in keys}
 
   def _reference(self):

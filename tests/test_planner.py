@@ -1,0 +1,304 @@
+"""Tests of rl_jax.planner: queueing against closed forms, the sync barrier, the seed's
+eight-GPU exercise, memory arithmetic of the real presets, profile fitting, the CLI."""
+import dataclasses
+import heapq
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rl_jax import config as config_lib
+from rl_jax import planner
+from rl_jax.planner import capacity, memory, profile as profile_lib
+from rl_jax.planner.models import (DEVICES, LengthModel, SamplerModel, TrainerModel,
+                                   VerifierModel)
+from rl_jax.tasks.latency import Latency
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(*overrides):
+  cfg, rest = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"),
+                                     *overrides])
+  assert rest == []
+  return cfg
+
+
+def _scenario(**kw):
+  base = dict(
+      mode="async", groups_per_step=8, group_size=8, max_staleness=2, max_inflight_groups=24,
+      queue_maxsize=64, weight_sync_every=1, inflight_weight_updates=True, num_steps=60,
+      prompt_tokens=16, length_buckets=(64, 128, 256, 512, 1024), batch_multiple=1,
+      lengths=LengthModel(kind="lognormal", max_tokens=512, median=100, sigma=0.5),
+      verifier=VerifierModel(latency=Latency(kind="none"), workers=8),
+      sampler=SamplerModel(base_s=0.01, per_seq_s=0.0, per_ctx_token_s=0.0),
+      sampler_replicas=1, decode_slots=64,
+      trainer=TrainerModel(fixed_s=0.1, tokens_per_s_per_device=1e5), trainer_devices=1,
+      weight_sync_s=0.01)
+  base.update(kw)
+  return planner.Scenario(**base)
+
+
+def test_single_server_queue_matches_mm1_wait():
+  """Poisson arrivals (rate lam), exponential service (rate mu), one server:
+  mean wait in line Wq = rho / (mu - lam), rho = lam / mu."""
+  lam, mu, n = 0.5, 1.0, 60000
+  rng = np.random.default_rng(0)
+  arrivals = np.cumsum(rng.exponential(1 / lam, n))
+  pool = planner.ServerPool(1)
+  events = [(t, 0, i) for i, t in enumerate(arrivals)]  # kind 0 arrival, 1 departure
+  heapq.heapify(events)
+  while events:
+    t, kind, i = heapq.heappop(events)
+    if kind == 0:
+      done = pool.arrive(t, i, rng.exponential(1 / mu))
+    else:
+      nxt = pool.depart(t)
+      done = None if nxt is None else nxt[0]
+    if done is not None:
+      heapq.heappush(events, (done, 1, i))
+  expected = (lam / mu) / (mu - lam)
+  assert pool.started == n
+  assert pool.mean_wait_s == pytest.approx(expected, rel=0.06)
+
+
+def test_sync_barrier_time_is_expected_max_length():
+  """One decode step = 1 s, every sequence has a slot, instant verify/train/sync: a sync
+  step lasts the longest of groups_per_step * G completion lengths."""
+  lengths = LengthModel(kind="lognormal", max_tokens=10_000, median=20, sigma=0.5)
+  sc = _scenario(
+      mode="sync", groups_per_step=4, group_size=8, num_steps=400, lengths=lengths,
+      decode_slots=32, prompt_tokens=1, length_buckets=(100_000,),
+      sampler=SamplerModel(base_s=1.0, per_seq_s=0.0, per_ctx_token_s=0.0),
+      trainer=TrainerModel(fixed_s=0.0, tokens_per_s_per_device=1e15), weight_sync_s=0.0)
+  pred = planner.simulate(sc)
+  rng = np.random.default_rng(123)
+  expected_max = np.mean([lengths.sample(rng, 32).max() for _ in range(20000)])
+  assert pred.wall_s / pred.optimizer_steps == pytest.approx(expected_max, rel=0.04)
+  assert pred.staleness_histogram == {0: 400 * 4}
+  assert pred.discard_rate == 0.0
+
+
+def _exercise_profile():
+  """A workload where one sampler replica makes about 10 rollouts/s and the trainer
+  consumes 256-rollout batches at about 170 rollouts/s on five devices, 40 on one."""
+  return planner.Profile(
+      sampler=SamplerModel(base_s=0.02, per_seq_s=0.0, per_ctx_token_s=0.0),
+      trainer=TrainerModel(fixed_s=0.1, tokens_per_s_per_device=2e4),
+      lengths=LengthModel(kind="lognormal", max_tokens=512, median=150, sigma=0.4),
+      verifier_latency=Latency(kind="none"), weight_sync_s=0.05, prompt_tokens=50,
+      sampler_tensor=1, notes=[])
+
+
+def test_eight_gpu_exercise_starved_and_overproducing_splits():
+  cfg = _cfg("--config.mesh.sampler.data=1", "--config.mesh.trainer.fsdp=1",
+             "--config.mesh.trainer.tensor=1", "--config.sampler.max_concurrent_decodes=32",
+             "--config.sampler.max_new_tokens=512", "--config.sampler.kv_cache_bytes=1073741824",
+             "--config.rl.groups_per_step=32", "--config.rl.max_inflight_groups=160",
+             "--config.rl.queue_maxsize=160", "--config.rl.total_steps=40")
+  model_cfg, params = capacity.model_shape(cfg)
+  prof = _exercise_profile()
+
+  def run(s, t):
+    sc = capacity.scenario(cfg, layout=capacity.Layout(s, t), profile=prof, model_cfg=model_cfg,
+                           params=params, device=DEVICES["h200"], num_steps=40)
+    return sc, planner.simulate(sc)
+
+  sc, starved = run(3, 5)
+  assert planner.diagnose(starved, sc) == "trainer-starved"
+  assert starved.queue_depth_mean < 32 / 4 and starved.trainer_busy_frac < 0.5
+  assert starved.sampler_busy_frac > 0.9 and starved.discard_rate == 0.0
+  assert starved.staleness_mean < 1.0
+  sc, over = run(7, 1)
+  assert planner.diagnose(over, sc) == "overproducing"
+  assert over.queue_depth_mean > 32 and over.trainer_busy_frac > 0.9
+  assert over.discard_rate > 0.1 and over.staleness_mean > starved.staleness_mean
+
+
+def test_memory_arithmetic_of_real_presets():
+  from rl_jax.model import presets
+  qwen = presets.get_preset("qwen2_0_5b")
+  assert presets.num_params(qwen) == 494_032_768
+  assert memory.kv_bytes_per_token(num_layers=24, num_kv_heads=2, head_dim=64,
+                                   dtype="bfloat16") == 2 * 24 * 2 * 64 * 2 == 12_288
+  llama = presets.get_preset("llama3_8b")
+  assert memory.kv_bytes_per_token(num_layers=llama.num_layers, num_kv_heads=llama.num_kv_heads,
+                                   head_dim=llama.head_dim, dtype="bfloat16") == 131_072
+  cfg = _cfg("--config.model.preset=qwen2_0_5b", "--config.sampler.dtype=bfloat16",
+             "--config.model.dtype=bfloat16", "--config.sampler.kv_cache_bytes=1073741824",
+             "--config.data.max_prompt_length=64", "--config.sampler.max_new_tokens=64",
+             "--config.trainer.micro_batch_size=4")
+  est = memory.estimate(cfg=cfg, model_cfg=qwen, params=494_032_768, sampler_tensor=1,
+                        trainer_devices=4, trainer_tensor=1, memory_gib=139)
+  weights = 494_032_768 * 2
+  assert est.weight_bytes_sampler == weights == 988_065_536
+  assert est.sampler_bytes == 2 * (weights + 2**30)
+  assert est.kv_tokens_per_replica == 2**30 // 12_288
+  # Activations: rows = 4 / 4 shards = 1, length bucket 128, bf16 (b = 2):
+  # layer (4*896 + 2*14*64 + 2*2*64 + 4*4864) * 2 + 14*128*(4 + 2) = 60_928,
+  # logits 151_936 * (2 + 4) = 911_616; per token 24 * 60_928 + 911_616 = 2_373_888.
+  assert est.activation_bytes == 128 * 2_373_888
+  state = 494_032_768 * (4 + 4 + 8 + 2)  # fp32 params, grads, AdamW mu + nu, bf16 staging
+  assert est.trainer_bytes == state // 4 + 128 * 2_373_888
+  assert est.fits
+
+
+def test_plan_rejects_layouts_that_do_not_fit_memory():
+  cfg = _cfg("--config.model.preset=llama3_8b", "--config.sampler.dtype=bfloat16",
+             "--config.model.dtype=bfloat16", "--config.mesh.trainer.fsdp=1",
+             "--config.mesh.trainer.tensor=1", "--config.rl.total_steps=5",
+             "--config.rl.groups_per_step=2", "--config.rl.group_size=2",
+             "--config.sampler.max_concurrent_decodes=4", "--config.mesh.sampler.data=1")
+  result = planner.plan(cfg, devices=2, memory_gib=80)
+  one_trainer = next(c for c in result.candidates if c.layout == capacity.Layout(1, 1))
+  # 8.03e9 params * 18 bytes = 145 GB of trainer state on one 80 GiB device.
+  assert one_trainer.rejected.startswith("trainer needs")
+  assert result.recommended is None
+
+
+def _write_workdir(path, cfg, rows, summary):
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+    f.write(json.dumps({"step": rows[-1]["step"], "reward/heldout": 0.5}) + "\n")
+  with open(os.path.join(path, "summary.json"), "w") as f:
+    json.dump(summary, f)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    f.write(cfg.to_json())
+
+
+def test_profile_fit_recovers_known_models(tmp_path):
+  """Rows written from known models: step time 0.01 + 1e-4 * active (one replica),
+  train step 0.2 s + padded tokens / 40k, lognormal lengths (median 40, sigma 0.5)
+  and verifier latencies (median 0.1 s, sigma 1.0)."""
+  cfg = _cfg("--config.mesh.sampler.data=1", "--config.mesh.trainer.fsdp=1",
+             "--config.mesh.trainer.tensor=1", "--config.sampler.max_new_tokens=512")
+  z90, z95, z99 = 1.2816, 1.6449, 2.3263
+  rows, t, s_busy, t_busy = [], 0.0, 0.0, 0.0
+  for step in range(1, 31):
+    active = 16 + 8 * (step % 4)
+    decode_steps = 50
+    padded = 128 * (64 if step % 2 else 128)
+    train = 0.2 + padded / 4e4
+    sample = decode_steps * (0.01 + 1e-4 * active)
+    dt = train + 0.05 + 0.3
+    t += dt
+    s_busy += sample
+    t_busy += train + 0.05
+    rows.append({
+        "step": step, "time_s": t, "sampler/busy_frac": s_busy / t,
+        "trainer/busy_frac": t_busy / t, "sampler/tokens_per_s": active * decode_steps / dt,
+        "sampler/decode_steps": decode_steps, "sampler/mean_context": 60.0,
+        "trainer/padded_tokens": padded, "weight_sync/duration_s": 0.05,
+        "queue/depth": 1, "staleness/mean": 1.0,
+        "lengths/p50": 40.0, "lengths/p90": 40 * math.exp(0.5 * z90),
+        "latency/verifier_p50": 0.1, "latency/verifier_p95": 0.1 * math.exp(z95),
+        "latency/verifier_p99": 0.1 * math.exp(z99)})
+  _write_workdir(str(tmp_path), cfg, rows, {"weight_sync_s_mean": 0.05, "prompt_tokens_mean": 20})
+  pilot = profile_lib.load_pilot(str(tmp_path))
+  prof = profile_lib.fit_profile(pilot, scaling_efficiency=0.9)
+  assert not prof.needs_calibration
+  assert prof.sampler.base_s == pytest.approx(0.01, rel=1e-6)
+  assert prof.sampler.per_seq_s == pytest.approx(1e-4, rel=1e-6)
+  assert prof.sampler.per_ctx_token_s == pytest.approx(0.0, abs=1e-9)
+  assert prof.trainer.fixed_s == pytest.approx(0.2, rel=1e-6)
+  assert prof.trainer.tokens_per_s_per_device == pytest.approx(4e4, rel=1e-6)  # one device
+  assert prof.lengths.median == pytest.approx(40.0)
+  assert prof.lengths.sigma == pytest.approx(0.5, rel=1e-3)
+  assert prof.lengths.drift_per_step == 0.0
+  assert prof.verifier_latency.sigma == pytest.approx(1.0, rel=1e-3)
+  assert prof.verifier_latency.mean_s == pytest.approx(0.1 * math.exp(0.5), rel=1e-3)
+  assert prof.prompt_tokens == 20 and prof.weight_sync_s == 0.05
+
+
+@pytest.mark.parametrize("mode,drop", [
+    ("async", ()),
+    ("sync", ("sampler/decode_steps", "trainer/step_time_s", "trainer/padded_tokens")),
+])
+def test_validate_round_trip_on_simulated_pilot(tmp_path, mode, drop):
+  """A pilot simulated from known models, written as a workdir (without the optional
+  metrics in `drop`), is fitted and re-predicted within 20% on every compared metric."""
+  cfg = _cfg(f"--config.rl.mode={mode}", "--config.rl.total_steps=60")
+  truth = planner.Profile(
+      sampler=SamplerModel(base_s=4e-3, per_seq_s=2e-5, per_ctx_token_s=1e-7),
+      trainer=TrainerModel(fixed_s=0.05, tokens_per_s_per_device=5e4),
+      lengths=LengthModel(kind="lognormal", max_tokens=32, median=6, sigma=0.4),
+      verifier_latency=Latency(kind="lognormal", mean_s=0.05, sigma=1.5), weight_sync_s=0.02,
+      prompt_tokens=8, sampler_tensor=1, notes=[])
+  model_cfg, params = capacity.model_shape(cfg)
+  sc = capacity.scenario(cfg, layout=capacity.pilot_layout(cfg), profile=truth,
+                         model_cfg=model_cfg, params=params, device=DEVICES["h200"], num_steps=60)
+  rows = [{k: v for k, v in r.items() if k not in drop} for r in planner.simulate(sc).rows]
+  _write_workdir(str(tmp_path), cfg, rows, {"weight_sync_s_mean": 0.02, "prompt_tokens_mean": 8})
+  pilot, prof = planner.load_profile(str(tmp_path), flag="--validate")
+  assert prof.needs_calibration is False
+  table = planner.validate(pilot, prof)
+  assert [r["metric"] for r in table][:5] == ["steps_per_hour", "queue_depth_mean",
+                                             "staleness_mean", "sampler_busy_frac",
+                                             "trainer_busy_frac"]
+  for r in table:
+    if r["rel_err"] is None:
+      assert r["predicted"] == pytest.approx(r["observed"], abs=0.05), r
+    else:
+      assert abs(r["rel_err"]) < 0.2, r
+  text = planner.format_validation(table)
+  assert "steps_per_hour" in text and "%" in text
+
+
+def test_inflight_limit_trades_discards_for_freshness():
+  """loop.py frees a group's admission slot when the trainer dequeues it, so with the
+  default limit (S + 1) * B a fast sampler admits groups that are consumed S + 1 versions
+  later; a limit of B keeps staleness lower and discards fewer."""
+  verifier = VerifierModel(latency=Latency(kind="lognormal", mean_s=0.05, sigma=1.5), workers=8)
+  wide = planner.simulate(_scenario(verifier=verifier, max_inflight_groups=24))
+  narrow = planner.simulate(_scenario(verifier=verifier, max_inflight_groups=8))
+  assert wide.discard_rate > narrow.discard_rate
+  assert wide.staleness_mean > narrow.staleness_mean
+  assert max(wide.staleness_histogram) <= 2 and max(narrow.staleness_histogram) <= 2
+
+
+def test_colocated_and_non_inflight_updates_run():
+  colo = planner.simulate(_scenario(colocated=True))
+  split = planner.simulate(_scenario())
+  # Sharing devices serialises sampling and training, so a step can only take longer.
+  assert colo.wall_s > split.wall_s
+  assert colo.sampler_busy_frac + colo.trainer_busy_frac <= 1.0 + 1e-9
+  drain = planner.simulate(_scenario(inflight_weight_updates=False))
+  assert drain.optimizer_steps == 60 and drain.wall_s >= split.wall_s * 0.99
+
+
+def test_simulation_is_deterministic_and_counts_like_loop():
+  a, b = planner.simulate(_scenario()), planner.simulate(_scenario())
+  assert a.wall_s == b.wall_s and a.staleness_histogram == b.staleness_histogram
+  # As in loop.py, groups the trainer has dequeued into a partial batch no longer count
+  # as in flight, so even a limit below groups_per_step fills batches (slowly).
+  small = planner.simulate(_scenario(max_inflight_groups=4))
+  assert small.optimizer_steps == 60 and small.wall_s > a.wall_s
+
+
+def _plan_cli(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan.py"), *args],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_missing_profile_dir_is_one_clear_error(tmp_path):
+  missing = str(tmp_path / "no_such_run")
+  proc = _plan_cli("--config", "configs/default.py", "--devices", "8", "--profile", missing)
+  assert proc.returncode != 0
+  assert proc.stderr.strip() == f"error: --profile: directory {missing!r} does not exist"
+
+
+def test_cli_plans_and_writes_png(tmp_path):
+  proc = _plan_cli("--config", "configs/default.py", "--devices", "4",
+                   "--config.rl.total_steps=12", "--sweep-inflight", "auto,16",
+                   "--out", str(tmp_path))
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert "recommended:" in out and "2x longer responses" in out
+  assert "2x slower verification" in out and "--config.mesh.sampler.data=" in out
+  assert os.path.getsize(tmp_path / "plan.png") > 1000
