@@ -19,14 +19,13 @@ from rl_jax import config as config_lib  # noqa: E402
 from rl_jax import planner  # noqa: E402
 
 
-def _ints(flag):
-  def parse(text):
-    try:
-      return [-1 if v.strip() == "auto" else int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers (or auto), "
-                                       f"got {text!r}") from None
-  return parse
+def _ints(text, flag, auto=False):
+  """Comma-separated integers; with `auto`, the word auto means -1."""
+  try:
+    return [-1 if auto and v.strip() == "auto" else int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    sys.exit(f"error: {flag} takes comma-separated integers{' (or auto)' if auto else ''}, "
+             f"got {text!r}")
 
 
 def main(argv):
@@ -35,12 +34,13 @@ def main(argv):
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")
   p = argparse.ArgumentParser(description=__doc__)
+  p.error = lambda msg: sys.exit(f"error: {msg}")  # one line, like every other mistake
   p.add_argument("--devices", type=int)
   p.add_argument("--profile")
   p.add_argument("--validate")
   p.add_argument("--memory-gb", type=float)
-  p.add_argument("--sweep-staleness", type=_ints("--sweep-staleness"))
-  p.add_argument("--sweep-inflight", type=_ints("--sweep-inflight"))
+  p.add_argument("--sweep-staleness", default="")
+  p.add_argument("--sweep-inflight", default="")
   p.add_argument("--max-discard", type=float, default=0.05)
   p.add_argument("--out", default="runs/plan")
   args = p.parse_args(rest)
@@ -56,8 +56,9 @@ def main(argv):
       print(planner.format_validation(planner.validate(pilot, profile or fitted)))
       return
     result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
-                          staleness_values=args.sweep_staleness,
-                          inflight_values=args.sweep_inflight, max_discard_rate=args.max_discard)
+                          staleness_values=_ints(args.sweep_staleness, "--sweep-staleness"),
+                          inflight_values=_ints(args.sweep_inflight, "--sweep-inflight", auto=True),
+                          max_discard_rate=args.max_discard)
   except (planner.PlanError, planner.ProfileError, config_lib.ConfigError) as e:
     sys.exit(f"error: {e}")
   print(planner.format_plan(result))

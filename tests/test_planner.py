@@ -1,6 +1,5 @@
 """Tests of rl_jax.planner: queueing against closed forms, the sync barrier, the seed's
 eight-GPU exercise, memory arithmetic of the real presets, profile fitting, the CLI."""
-import dataclasses
 import heapq
 import json
 import math
@@ -66,19 +65,26 @@ def test_single_server_queue_matches_mm1_wait():
   assert pool.mean_wait_s == pytest.approx(expected, rel=0.06)
 
 
-def test_sync_barrier_time_is_expected_max_length():
+@pytest.mark.parametrize("steps_per_call", [1, 4])
+def test_sync_barrier_time_is_expected_max_length(steps_per_call):
   """One decode step = 1 s, every sequence has a slot, instant verify/train/sync: a sync
-  step lasts the longest of groups_per_step * G completion lengths."""
+  step lasts the longest of groups_per_step * G completion lengths, rounded up to a
+  whole generate call of steps_per_call steps."""
   lengths = LengthModel(kind="lognormal", max_tokens=10_000, median=20, sigma=0.5)
   sc = _scenario(
       mode="sync", groups_per_step=4, group_size=8, num_steps=400, lengths=lengths,
       decode_slots=32, prompt_tokens=1, length_buckets=(100_000,),
       sampler=SamplerModel(base_s=1.0, per_seq_s=0.0, per_ctx_token_s=0.0),
-      trainer=TrainerModel(fixed_s=0.0, tokens_per_s_per_device=1e15), weight_sync_s=0.0)
+      trainer=TrainerModel(fixed_s=0.0, tokens_per_s_per_device=1e15), weight_sync_s=0.0,
+      steps_per_call=steps_per_call)
   pred = planner.simulate(sc)
   rng = np.random.default_rng(123)
-  expected_max = np.mean([lengths.sample(rng, 32).max() for _ in range(20000)])
-  assert pred.wall_s / pred.optimizer_steps == pytest.approx(expected_max, rel=0.04)
+  maxima = np.array([lengths.sample(rng, 32).max() for _ in range(20000)])
+  expected = np.mean(-(-maxima // steps_per_call) * steps_per_call)
+  assert pred.wall_s / pred.optimizer_steps == pytest.approx(expected, rel=0.04)
+  assert pred.sampler_tokens_per_s * pred.wall_s == pytest.approx(
+      sum(r["sampler/tokens_per_s"] * (r["time_s"] - p["time_s"])
+          for p, r in zip([{"time_s": 0.0}] + pred.rows[:-1], pred.rows)))
   assert pred.staleness_histogram == {0: 400 * 4}
   assert pred.discard_rate == 0.0
 
@@ -182,7 +188,7 @@ def test_profile_fit_recovers_known_models(tmp_path):
   rows, t, s_busy, t_busy = [], 0.0, 0.0, 0.0
   for step in range(1, 31):
     active = 16 + 8 * (step % 4)
-    decode_steps = 50
+    decode_steps = 50  # one decode step per generate call (sampler.steps_per_call = 1)
     padded = 128 * (64 if step % 2 else 128)
     train = 0.2 + padded / 4e4
     sample = decode_steps * (0.01 + 1e-4 * active)
@@ -193,12 +199,14 @@ def test_profile_fit_recovers_known_models(tmp_path):
     rows.append({
         "step": step, "time_s": t, "sampler/busy_frac": s_busy / t,
         "trainer/busy_frac": t_busy / t, "sampler/tokens_per_s": active * decode_steps / dt,
-        "sampler/decode_steps": decode_steps, "sampler/mean_context": 60.0,
+        "sampler/generate_calls": decode_steps * step, "sampler/mean_context": 60.0,
         "trainer/padded_tokens": padded, "weight_sync/duration_s": 0.05,
         "queue/depth": 1, "staleness/mean": 1.0,
         "lengths/p50": 40.0, "lengths/p90": 40 * math.exp(0.5 * z90),
-        "latency/verifier_p50": 0.1, "latency/verifier_p95": 0.1 * math.exp(z95),
-        "latency/verifier_p99": 0.1 * math.exp(z99)})
+        "latency/verifier_service_p50": 0.1,
+        "latency/verifier_service_p95": 0.1 * math.exp(z95),
+        "latency/verifier_service_p99": 0.1 * math.exp(z99),
+        "latency/verifier_p50": 0.3})  # with pool queueing: not the service time
   _write_workdir(str(tmp_path), cfg, rows, {"weight_sync_s_mean": 0.05, "prompt_tokens_mean": 20})
   pilot = profile_lib.load_pilot(str(tmp_path))
   prof = profile_lib.fit_profile(pilot, scaling_efficiency=0.9)
@@ -214,11 +222,19 @@ def test_profile_fit_recovers_known_models(tmp_path):
   assert prof.verifier_latency.sigma == pytest.approx(1.0, rel=1e-3)
   assert prof.verifier_latency.mean_s == pytest.approx(0.1 * math.exp(0.5), rel=1e-3)
   assert prof.prompt_tokens == 20 and prof.weight_sync_s == 0.05
+  # Without service-time percentiles the pilot's injected latency is the service time.
+  for r in pilot.rows:
+    for q in (50, 95, 99):
+      del r[f"latency/verifier_service_p{q}"]
+  configured = profile_lib.fit_verifier(pilot, [])
+  assert (configured.kind, configured.mean_s, configured.sigma) == ("lognormal", 0.05, 1.5)
 
 
 @pytest.mark.parametrize("mode,drop", [
     ("async", ()),
-    ("sync", ("sampler/decode_steps", "trainer/step_time_s", "trainer/padded_tokens")),
+    ("sync", ("sampler/generate_calls", "trainer/step_time_s", "trainer/padded_tokens",
+              "latency/verifier_service_p50", "latency/verifier_service_p95",
+              "latency/verifier_service_p99")),
 ])
 def test_validate_round_trip_on_simulated_pilot(tmp_path, mode, drop):
   """A pilot simulated from known models, written as a workdir (without the optional

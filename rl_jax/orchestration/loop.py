@@ -155,12 +155,19 @@ class Pipeline:
     self.staleness_hist: collections.Counter = collections.Counter()
     self.discarded_by_version: collections.Counter = collections.Counter()
     self.finished_rollouts: list = []  # since the last log line
-    self.verifier_latencies: list[float] = []
+    self.verifier_latencies: list[float] = []  # submitted -> scored (includes waiting)
+    self.verifier_service: list[float] = []  # started -> scored
+    self.all_lengths: list[int] = []  # reservoir of completion lengths for the planner
+    self.all_service: list[float] = []
+    self.prompt_tokens_total = 0
+    self.step_times: list[float] = []
+    self.padded_tokens = 0
     self.sampler_tokens = 0
     self.trainer_tokens = 0
     self.sync_durations: list[float] = []
     self.sync_lags: list[float] = []
-    self.timeline: list[dict] = []
+    self._reservoir_rng = np.random.default_rng(0)
+    self._reservoir_seen = 0
     self.last_verified = time.time()
 
   def _publish(self, params, version: int) -> None:
@@ -183,12 +190,12 @@ class Pipeline:
           self._paused.clear()
           continue
         self._admit()
-        if gen.num_active == 0 and gen.num_pending == 0:
-          self.queue.wait_changed(0.01)
-          continue
+        busy = gen.num_active > 0 or gen.num_pending > 0
         t0 = self.clock.now()
+        # An idle step still swaps in published weights (the sync barrier relies on it).
         finished = gen.step()
-        self.sampler_busy.add(t0, self.clock.now())
+        if busy:
+          self.sampler_busy.add(t0, self.clock.now())
         v = gen.version
         if v != last_version:
           with self._lock:
@@ -198,6 +205,8 @@ class Pipeline:
           last_version = v
         for r in finished:
           self._on_rollout_finished(r)
+        if not busy and not finished:
+          self.queue.wait_changed(0.005)
     except BaseException as e:  # surfaced to the trainer thread, which stops the run
       self._fail(e)
 
@@ -232,6 +241,7 @@ class Pipeline:
       self.finished_rollouts.append(r)
       self.counts["rollouts_generated"] += 1
       self.sampler_tokens += r.num_tokens
+      self.prompt_tokens_total += len(r.prompt_tokens)
     r.completion_text = self.tokenizer.decode(r.completion_tokens)
     self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,
                      callback=self._on_verified)
@@ -248,6 +258,7 @@ class Pipeline:
       r.verifier_status = result.status
       r.verified = result.t_finished
       self.verifier_latencies.append(result.latency_s)
+      self.verifier_service.append(result.t_finished - result.t_started)
       self.counts[f"verifier_{result.status}"] += 1
       self.last_verified = time.time()
       complete = (len(group.rollouts) == self.cfg.rl.group_size and
@@ -292,6 +303,7 @@ class Pipeline:
         continue
       s = group.staleness(self.version)
       if s > bound:
+        self.queue.release()
         self.counts["groups_discarded_stale"] += 1
         self.counts["rollouts_discarded_stale"] += len(group.rollouts)
         self.discarded_by_version[min(r.min_version for r in group.rollouts)] += 1
@@ -356,6 +368,7 @@ class Pipeline:
     self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler", daemon=True)
     self._sampler_thread.start()
     step = 0
+    self._held_groups = 0  # trained but not yet published
     heldout = heldout_initial
     last_log_t = self.clock.now()
     last_log_tokens = (0, 0)
@@ -363,7 +376,11 @@ class Pipeline:
       while step < cfg.rl.total_steps:
         groups = self._next_batch()
         t0 = self.clock.now()
-        self.state, tm = self.trainer.step(self.state, self.trainer.make_train_batch(groups))
+        batch = self.trainer.make_train_batch(groups)
+        t_step = time.perf_counter()
+        self.state, tm = self.trainer.step(self.state, batch)
+        self.step_times.append(time.perf_counter() - t_step)
+        self.padded_tokens += int(batch.tokens_bt.size)
         step += 1
         trained = sum(len(g.rollouts) for g in groups)
         self.counts["rollouts_trained"] += trained
@@ -371,6 +388,10 @@ class Pipeline:
         if step % cfg.rl.weight_sync_every == 0:
           self.version += 1
           self._publish(self.state.params, self.version)
+          self.queue.release(self._held_groups + len(groups))
+          self._held_groups = 0
+        else:
+          self._held_groups += len(groups)
         self.trainer_busy.add(t0, self.clock.now())
         if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step < cfg.rl.total_steps:
           heldout = self.evaluate()
@@ -400,7 +421,12 @@ class Pipeline:
     with self._lock:
       finished, self.finished_rollouts = self.finished_rollouts, []
       vlat, self.verifier_latencies = self.verifier_latencies, []
+      vserv, self.verifier_service = self.verifier_service, []
     lengths = [r.num_tokens for r in finished]
+    self._reservoir(self.all_lengths, lengths)
+    self._reservoir(self.all_service, vserv)
+    step_times, self.step_times = self.step_times, []
+    padded, self.padded_tokens = self.padded_tokens, 0
     rollout_lat = [r.finished - r.admitted for r in finished if r.admitted]
     q = self.queue.snapshot()
     dt = max(dt, 1e-9)
@@ -442,12 +468,33 @@ class Pipeline:
       row[f"latency/rollout_{k}"] = v
     for k, v in metrics_lib.percentiles(vlat, (50, 95, 99)).items():
       row[f"latency/verifier_{k}"] = v
+    for k, v in metrics_lib.percentiles(vserv, (50, 95, 99)).items():
+      row[f"latency/verifier_service_{k}"] = v
+    row["latency/verifier_mean"] = float(np.mean(vlat)) if vlat else 0.0
+    row["lengths/prompt_mean"] = (float(np.mean([len(r.prompt_tokens) for r in finished]))
+                                  if finished else 0.0)
+    row["sampler/generate_calls"] = self.generator.generate_calls
+    row["sampler/preemptions"] = self.generator.preemptions
+    row["trainer/step_time_s"] = float(np.mean(step_times)) if step_times else 0.0
+    row["trainer/padded_tokens"] = padded
     policy_keys = ("kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_p1", "ratio_p50",
                    "ratio_p99", "tis_weight_mean", "tis_truncated_frac",
                    "behavior_prox_logp_gap")
     for k, v in tm.items():
       row[("policy/" if k in policy_keys else "optim/") + k] = v
     return row
+
+  def _reservoir(self, store: list, values, cap: int = 20000) -> None:
+    """Keeps a uniform sample of at most `cap` values seen so far (for the planner)."""
+    rng = self._reservoir_rng
+    for v in values:
+      self._reservoir_seen += 1
+      if len(store) < cap:
+        store.append(v)
+      else:
+        j = int(rng.integers(0, self._reservoir_seen))
+        if j < cap:
+          store[j] = v
 
   def _summary(self, wall, step, h0, h1, curve) -> dict:
     device_hours = (self.sampler_busy.busy_s * self.meshes.sampler.devices.size +
@@ -484,6 +531,9 @@ class Pipeline:
         "timeline": {"sampler": self.sampler_busy.intervals[-5000:],
                      "trainer": self.trainer_busy.intervals[-5000:]},
         "staleness_definition": metrics_lib.DESCRIPTIONS["staleness"],
+        "completion_lengths": self.all_lengths,
+        "verifier_service_s": self.all_service,
+        "prompt_tokens_mean": self.prompt_tokens_total / max(self.counts["rollouts_generated"], 1),
     }
     if self.writer.enabled:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:

@@ -1,9 +1,12 @@
 """A bounded FIFO of verified groups, with the accounting that drives admission.
 
 The sampler thread admits a group only when `can_admit()`; verifier callbacks `put`
-completed groups; the trainer `get`s them. Because admission counts groups from the
-moment they are admitted (in flight) until they are consumed, the queue can never hold
-more than its bound, and a put never blocks.
+completed groups; the trainer `get`s them and `release`s them once the policy version
+they were trained into is published. Admission counts a group from the moment it is
+admitted until that release, so the queue can never hold more than its bound, a put
+never blocks, and a group admitted now is at most max_staleness versions old when the
+trainer reaches it. (Releasing at dequeue instead would let the sampler refill the
+batch being trained with groups that are consumed one version too late.)
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class RolloutQueue:
     self._q: collections.deque[Group] = collections.deque()
     self._cv = threading.Condition()
     self.inflight = 0  # admitted, not yet in the queue (sampling or verifying)
+    self.held = 0  # dequeued by the trainer, not yet released
     self.enqueued_total = 0
     self.dequeued_total = 0
     self.max_depth_seen = 0
@@ -32,7 +36,7 @@ class RolloutQueue:
     """Admission control: in-flight + queued stays within both bounds."""
     with self._cv:
       outstanding = self.inflight + len(self._q) + n
-      return outstanding <= self.max_inflight and outstanding <= self.maxsize
+      return (outstanding + self.held <= self.max_inflight and outstanding <= self.maxsize)
 
   def admitted(self, n: int = 1) -> None:
     with self._cv:
@@ -67,8 +71,14 @@ class RolloutQueue:
       if not self._q:
         return None
       self.dequeued_total += 1
-      self._cv.notify_all()
+      self.held += 1
       return self._q.popleft()
+
+  def release(self, n: int = 1) -> None:
+    """Groups the trainer has finished with (trained and published, or discarded)."""
+    with self._cv:
+      self.held -= n
+      self._cv.notify_all()
 
   def close(self) -> None:
     with self._cv:
@@ -90,6 +100,6 @@ class RolloutQueue:
 
   def snapshot(self) -> dict:
     with self._cv:
-      return dict(depth=len(self._q), inflight=self.inflight,
+      return dict(depth=len(self._q), inflight=self.inflight, held=self.held,
                   enqueued_total=self.enqueued_total, dequeued_total=self.dequeued_total,
                   oldest_age_s=(time.time() - self._q[0].enqueued) if self._q else 0.0)

@@ -14,7 +14,9 @@ size is T / t_t, which must divide the batch (groups_per_step * group_size).
 A layout is rejected when it does not fit memory (rl_jax.planner.memory), when the
 batch does not split over its trainer, or when its predicted discard rate exceeds
 `max_discard_rate` (completed work the staleness bound throws away). The rest are ranked
-by predicted useful trained rollouts per hour (discarded rollouts excluded).
+by predicted useful trained rollouts per hour (discarded rollouts excluded). When the
+configured in-flight limit fails everywhere and no in-flight sweep was asked for, one
+batch in flight (max_inflight_groups = groups_per_step) is tried as well.
 
 Without a pilot profile every model is a roofline prior (rl_jax.planner.models) for the
 config's model preset on `device`, with completion lengths lognormal around
@@ -79,6 +81,7 @@ class Plan:
 
 def model_shape(cfg):
   """(ModelConfig, parameter count) of the config's model, imported lazily."""
+  from rl_jax.model import presets
   if cfg.model.path:
     import json
     import os
@@ -89,12 +92,10 @@ def model_shape(cfg):
     with open(path) as f:
       model_cfg = hf_io.config_from_hf(json.load(f), where=path)
   else:
-    from rl_jax.model import presets
     try:
       model_cfg = presets.get_preset(cfg.model.preset)
     except ValueError as e:
       raise PlanError(f"config field 'model.preset': {e}") from None
-  from rl_jax.model import presets
   return model_cfg, presets.num_params(model_cfg)
 
 
@@ -176,7 +177,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       verifier=verifier.scaled(verifier_scale) if verifier_scale != 1.0 else verifier,
       sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
-      colocated=layout.colocated, seed=int(cfg.seed))
+      colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed))
 
 
 def pilot_layout(cfg) -> Layout:
@@ -190,7 +191,7 @@ def load_profile(workdir: str, *, cfg=None, flag: str = "--profile",
                  device: DeviceSpec = DEVICES["h200"]):
   """(Pilot, Profile) from a pilot workdir.
 
-  When the pilot logged no sampler/decode_steps, the constant decode step time is
+  When the pilot logged no sampler/generate_calls, the constant decode step time is
   calibrated: simulate the pilot's own configuration and rescale the step time by
   observed / simulated sampler busy seconds per optimizer step, until within 2%.
   """
@@ -198,30 +199,22 @@ def load_profile(workdir: str, *, cfg=None, flag: str = "--profile",
   profile = profile_lib.fit_profile(pilot)
   if profile.needs_calibration:
     model_cfg, params = model_shape(pilot.cfg)
-    target = profile_lib.observed_sampler_busy_per_step(pilot)
+    target = profile_lib.sampler_busy_per_step(pilot.rows)
     for _ in range(6):
       sc = scenario(pilot.cfg, layout=pilot_layout(pilot.cfg), profile=profile,
                     model_cfg=model_cfg, params=params, device=device,
                     num_steps=pilot.rows[-1]["step"])
       pred = simulate(sc)
-      ratio = target / max(_sampler_busy_per_step(pred), 1e-12)
+      ratio = target / max(profile_lib.sampler_busy_per_step(pred.rows), 1e-12)
       profile.sampler = dataclasses.replace(profile.sampler,
                                             base_s=profile.sampler.base_s * ratio)
       if abs(ratio - 1) < 0.02:
         break
     profile.needs_calibration = False
     profile.notes.append(
-        f"sampler: no sampler/decode_steps in metrics.jsonl; constant decode step "
+        f"sampler: no sampler/generate_calls in metrics.jsonl; constant decode step "
         f"{profile.sampler.base_s:.3g}s calibrated to the pilot's sampler busy time")
   return pilot, profile
-
-
-def _sampler_busy_per_step(pred: Prediction) -> float:
-  base, win = profile_lib.window(pred.rows)
-  last = win[-1]
-  busy = (last["sampler/busy_frac"] * last["time_s"] -
-          base["sampler/busy_frac"] * base["time_s"])
-  return busy / max(last["step"] - base["step"], 1)
 
 
 def check_layout(cfg, *, layout: Layout, model_cfg, params: int,
@@ -309,9 +302,10 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   swept_inflight = bool(inflight_values)
   staleness_values = list(staleness_values or [rl.max_staleness])
   inflight_values = list(inflight_values or [rl.max_inflight_groups])
-  if rl.mode == "sync" and (len(staleness_values) > 1 or len(inflight_values) > 1):
-    notes.append("sync mode: staleness bound 0 and one batch in flight; sweeps ignored")
-    staleness_values, inflight_values = [rl.max_staleness], [rl.max_inflight_groups]
+  if rl.mode == "sync":
+    if len(staleness_values) > 1 or len(inflight_values) > 1:
+      notes.append("sync mode: staleness bound 0 and one batch in flight; sweeps ignored")
+    staleness_values, inflight_values = [0], [rl.groups_per_step]
   settings = sorted({(st, (st + 1) * rl.groups_per_step if inf < 0 else inf)
                      for st in staleness_values for inf in inflight_values})
   model_cfg, params = model_shape(cfg)

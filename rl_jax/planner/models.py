@@ -32,8 +32,6 @@ import numpy as np
 
 from rl_jax.tasks.latency import Latency
 
-GIB = 2**30
-
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:

@@ -8,8 +8,9 @@ queue) are left out: the window is every row after the first `skip` = max(1, 10%
 Fits (row i of the window, dt_i = time_s_i - time_s_{i-1}, busy_i = the busy seconds
 of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{i-1}):
 
-  sampler   with sampler/decode_steps: step_i = busy_i / decode_steps_i,
-            active_i = tokens_i / decode_steps_i (tokens_i = sampler/tokens_per_s * dt_i),
+  sampler   with sampler/generate_calls (cumulative, generator.metrics()): decode steps
+            k_i = its increase * sampler.steps_per_call, step_i = busy_i / k_i,
+            active_i = tokens_i / k_i (tokens_i = sampler/tokens_per_s * dt_i),
             then non-negative least squares of step_i on [1, active_i / R,
             active_i * context_i / R], kept when it explains 20% more than a constant.
             Without decode steps the active count is unknown, so a constant step time is
@@ -24,10 +25,14 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             median = mean of lengths/p50, sigma = ln(p90 / p50) / 1.2816, or from the
             truncation rate when p90 sits at the cap; drift = exp(slope) - 1 of
             ln(p50) against step, kept when the slope exceeds two standard errors.
-  verifier  summary verifier_latencies_s when present (empirical), else a lognormal
-            with median p50 and sigma = sqrt(2 ln(mean / p50)) when latency/verifier_mean
-            is logged, else the least-squares sigma of ln(p_q / p50) = sigma z_q over
-            p95 and p99 (means over the window's rows).
+  verifier  the service time of a call (start of its first attempt -> result; the
+            latency/verifier_* percentiles loop.py logs also hold pool queueing, which
+            the simulation adds itself). In order: summary verifier_service_s (raw,
+            empirical); a lognormal from latency/verifier_service_p50/p95/p99 (median
+            p50, sigma = sqrt(2 ln(mean / p50)) with a logged _mean, else the
+            least-squares sigma of ln(p_q / p50) = sigma z_q, means over the window);
+            the pilot's injected verifier.latency; last, the same lognormal fit of
+            latency/verifier_* as an upper bound.
   sync      summary weight_sync_s_mean.
 """
 from __future__ import annotations
@@ -107,7 +112,10 @@ def load_pilot(workdir: str, *, flag: str = "--profile", cfg=None) -> Pilot:
   if os.path.isfile(config_path):
     with open(config_path) as f:
       cfg = ml_collections.ConfigDict(json.load(f))
-    config_lib.check_fields(cfg, config_lib.base_config())
+    try:
+      config_lib.check_fields(cfg, config_lib.base_config())
+    except config_lib.ConfigError as e:
+      raise ProfileError(f"{flag}: {config_path}: {e}") from None
   elif cfg is None:
     raise ProfileError(f"{flag}: {config_path} is missing and no --config was given")
   return Pilot(workdir=workdir, cfg=cfg, rows=rows, summary=summary)
@@ -188,7 +196,7 @@ def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
   p50 = _mean(win, "lengths/p50")
   p90 = _mean(win, "lengths/p90")
   if not p50:
-    raise ProfileError(f"--profile: {pilot.workdir}/metrics.jsonl has no lengths/p50 values")
+    raise ProfileError(f"{pilot.workdir}/metrics.jsonl has no lengths/p50 values")
   if p90 and p90 < cap and p90 > p50:
     sigma = math.log(p90 / p50) / 1.2816
   else:
@@ -212,28 +220,53 @@ def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
                      drift_per_step=drift)
 
 
-def fit_verifier(pilot: Pilot, notes: list[str]) -> Latency:
-  """Verifier-call latency model (module docstring)."""
-  raw = pilot.summary.get("verifier_latencies_s")
-  if raw:
-    notes.append(f"verifier: empirical, {len(raw)} calls from summary.json")
-    return Latency(kind="empirical", values=tuple(float(v) for v in raw))
-  _, win = window(pilot.rows)
-  p50 = _mean(win, "latency/verifier_p50")
+def _lognormal_from_rows(win: list[dict], prefix: str) -> Latency | None:
+  """Lognormal with median = mean of <prefix>_p50; sigma from <prefix>_mean when logged,
+  else the least-squares sigma of ln(p_q / p50) = sigma z_q over p95 and p99."""
+  p50 = _mean(win, f"{prefix}_p50")
   if not p50 or p50 <= 0:
-    notes.append("verifier: no latency/verifier_p50 in metrics.jsonl; verification taken as instant")
-    return Latency(kind="none")
-  mean = _mean(win, "latency/verifier_mean")
+    return None
+  mean = _mean(win, f"{prefix}_mean")
   if mean and mean > p50:
     sigma = math.sqrt(2 * math.log(mean / p50))
   else:
-    # ln p_q = ln p50 + sigma z_q, least squares over the logged upper quantiles.
-    pairs = [(z, _mean(win, f"latency/verifier_{q}")) for z, q in ((1.645, "p95"), (2.326, "p99"))]
+    pairs = [(z, _mean(win, f"{prefix}_{q}")) for z, q in ((1.645, "p95"), (2.326, "p99"))]
     pairs = [(z, p) for z, p in pairs if p and p > p50]
     sigma = (sum(z * math.log(p / p50) for z, p in pairs) / sum(z * z for z, _ in pairs)
              if pairs else 1e-3)
-  notes.append(f"verifier: lognormal median {p50:.3g}s sigma {sigma:.2f} (from percentiles)")
   return Latency(kind="lognormal", mean_s=p50 * math.exp(sigma**2 / 2), sigma=sigma)
+
+
+def fit_verifier(pilot: Pilot, notes: list[str]) -> Latency:
+  """Service time of one verifier call (module docstring), in order of preference."""
+  from rl_jax.tasks.base import TaskError
+  from rl_jax.tasks.latency import make_latency
+
+  raw = pilot.summary.get("verifier_service_s")
+  if raw:
+    notes.append(f"verifier: empirical service times of {len(raw)} calls from summary.json")
+    return Latency(kind="empirical", values=tuple(float(v) for v in raw))
+  _, win = window(pilot.rows)
+  fitted = _lognormal_from_rows(win, "latency/verifier_service")
+  if fitted is not None:
+    notes.append(f"verifier: lognormal service time, mean {fitted.mean_s:.3g}s "
+                 f"sigma {fitted.sigma:.2f}")
+    return fitted
+  if pilot.cfg.verifier.latency != "none":
+    try:
+      configured = make_latency(pilot.cfg.verifier)
+    except TaskError as e:
+      raise ProfileError(f"{pilot.workdir}/config.json: {e}") from None
+    notes.append("verifier: latency/verifier_* include pool queueing, so the service time "
+                 f"is the pilot's injected {configured.kind} latency (mean {configured.mean_s:.3g}s)")
+    return configured
+  fitted = _lognormal_from_rows(win, "latency/verifier")
+  if fitted is None:
+    notes.append("verifier: no latency/verifier_p50 in metrics.jsonl; verification taken as instant")
+    return Latency(kind="none")
+  notes.append(f"verifier: lognormal from latency/verifier_* (mean {fitted.mean_s:.3g}s), "
+               f"which include pool queueing: an upper bound on service time")
+  return fitted
 
 
 def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
@@ -261,6 +294,9 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
     y.append(max(train, 0.0))
     prev = row
   a, y = np.asarray(a, np.float64), np.asarray(y, np.float64)
+  if not np.sum(y) > 0:
+    raise ProfileError(f"{pilot.workdir}/metrics.jsonl shows no trainer busy time "
+                       f"(trainer/busy_frac); cannot fit the trainer")
   if "trainer/padded_tokens" not in win[-1]:
     notes.append("trainer: no trainer/padded_tokens in metrics.jsonl; estimated from lengths/p99")
   fixed, inv_rate = nnls(a, y)
@@ -278,12 +314,13 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
                        replicas: int, notes: list[str]) -> SamplerModel | None:
   """Regression on per-row decode steps; None when the pilot did not log them."""
   base, win = window(pilot.rows)
-  if "sampler/decode_steps" not in win[-1]:
+  if "sampler/generate_calls" not in win[-1]:
     return None
+  spc = int(pilot.cfg.sampler.steps_per_call)
   mean_len = float(np.mean(lengths.sample(np.random.default_rng(0), 4096)))
   prev, a, y = base, [], []
   for row in win:
-    steps = row.get("sampler/decode_steps", 0)
+    steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * spc
     busy = _busy_s(row, "sampler/busy_frac") - _busy_s(prev, "sampler/busy_frac")
     tokens = row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
     prev = row
@@ -307,9 +344,9 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
   return SamplerModel(base_s=const, per_seq_s=0.0, per_ctx_token_s=0.0)
 
 
-def observed_sampler_busy_per_step(pilot: Pilot) -> float:
-  """Sampler busy seconds per optimizer step over the window."""
-  base, win = window(pilot.rows)
+def sampler_busy_per_step(rows: list[dict]) -> float:
+  """Sampler busy seconds per optimizer step over the window of a run's rows."""
+  base, win = window(rows)
   last = win[-1]
   return ((_busy_s(last, "sampler/busy_frac") - _busy_s(base, "sampler/busy_frac")) /
           max(last["step"] - base["step"], 1))

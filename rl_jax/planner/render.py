@@ -45,6 +45,11 @@ def format_plan(plan: Plan) -> str:
                f"max_inflight_groups {best.max_inflight_groups}): "
                f"{p.trained_rollouts_per_hour:.4g} useful rollouts/h, "
                f"{p.steps_per_hour:.4g} steps/h, {best.diagnosis}")
+  hist = ", ".join(f"{k}: {100 * v / max(sum(p.staleness_histogram.values()), 1):.0f}%"
+                   for k, v in p.staleness_histogram.items())
+  lines.append(f"  staleness of trained groups {{{hist}}}; weight sync {100 * p.weight_sync_frac:.1f}% "
+               f"of wall time; verifier wait {p.verifier_wait_mean_s:.3g}s per call; "
+               f"mean active sequences {p.active_sequences_mean:.1f}")
   for s in plan.sensitivity:
     c = s["candidate"]
     if c.prediction is None:

@@ -3,23 +3,26 @@
 Events live on a heapq ordered by time; all draws come from one seeded numpy Generator,
 so a Scenario always gives the same Prediction. What is simulated, as loop.py does it:
 
-  admission   the sampler admits a group (G sequences) at a decode-step boundary while
+  admission   the sampler admits a group (G sequences) at a generate-call boundary while
               its slots have room (active + pending < slots) and the queue allows it:
               in-flight + queued + 1 <= min(max_inflight_groups, queue_maxsize).
               sync: only groups_per_step groups per policy version, and only once the
               sampler holds the trainer's current version (the barrier).
   sampling    continuous batching: sequences start when a slot frees, each decode step
-              emits one token per active sequence and takes SamplerModel.step_s(n, ctx).
+              emits one token per active sequence and takes SamplerModel.step_s(n, ctx);
+              the host sees the engine only between generate calls of steps_per_call
+              steps (a sequence that ends inside a call holds its slot to the call's end).
               Between two events the active set is fixed, so k steps take
                 T(k) = k * A + g * k (k - 1) / 2,
                 A = base + per_seq n / R + per_ctx ctx / R,  g = per_ctx n / R
               (every step adds n context tokens), and the simulation jumps straight to the
-              next completion instead of stepping token by token.
+              call boundary of the next completion instead of stepping token by token.
   versions    a sequence's behaviour version is the sampler's version at its first token;
               with inflight_weight_updates later tokens carry newer versions, which does
               not change min(token_versions). A publication reaches the sampler at its next
-              step boundary; without inflight updates the sampler stops admitting until its
-              running sequences drain, then swaps.
+              call boundary; without inflight updates the sampler neither admits nor starts
+              sequences until its running ones drain, then swaps (rl_jax.sampler.generator).
+              An idle sampler swaps at once.
   verifying   a finished rollout joins the verifier pool (workers servers, FIFO); a group
               enters the queue when all G rollouts are verified.
   training    the trainer takes groups in queue order, discards those with staleness =
@@ -32,7 +35,8 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
 
 Per optimizer step the simulation writes a row with loop.py's metric names (time_s,
 queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, lengths/p50, ...),
-plus sampler/decode_steps, trainer/step_time_s and trainer/padded_tokens, so the same
+plus sampler/generate_calls (cumulative), trainer/step_time_s, trainer/padded_tokens and
+latency/verifier_service_p* (verifier time without pool queueing), so the same
 steady-state estimator and profile fit read a simulated run and a pilot's metrics.jsonl.
 """
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Scenario:
   trainer_devices: int
   weight_sync_s: float
   colocated: bool = False
+  steps_per_call: int = 1
   seed: int = 0
 
 
@@ -131,7 +136,6 @@ class ServerPool:
 
   def __init__(self, servers: int):
     self.free = servers
-    self.servers = servers
     self.line: collections.deque = collections.deque()
     self.wait_total_s = 0.0
     self.service_total_s = 0.0
@@ -262,8 +266,9 @@ class _Sim:
     self.last_row = (0.0, 0, 0)
     # Since the last row, for the percentiles loop.py logs.
     self.row_lengths: list[int] = []
-    self.row_verifier_s: list[float] = []
-    self.row_decode_steps = 0
+    self.row_service_s: list[float] = []
+    self.row_latency_s: list[float] = []
+    self.decode_steps = 0
 
   # -- sampler ---------------------------------------------------------------------
 
@@ -301,17 +306,18 @@ class _Sim:
       self.pending.extend((gid, int(n)) for n in lengths)
 
   def _boundary(self, now: float, steps: int) -> None:
-    """The sampler reached a step boundary after `steps` steps of its segment."""
+    """The sampler reached a call boundary after `steps` decode steps of its segment."""
     sc = self.sc
     self._note_change(now)
     seg, self.segment = self.segment, None
     if seg is not None:
       self.sampler_busy_s += now - seg.t0
-      self.rem -= steps
-      self.ctx += steps
-      self.sampler_tokens += steps * len(self.rem)
-      self.row_decode_steps += steps
-      done = self.rem <= 0
+      took = np.minimum(self.rem, steps)
+      self.rem = self.rem - took
+      self.ctx = self.ctx + took
+      self.sampler_tokens += int(took.sum())
+      self.decode_steps += steps
+      done = self.rem == 0
       if done.any():
         self.row_lengths.extend((self.ctx[done] - sc.prompt_tokens).tolist())
         for g in self.gid[done]:
@@ -320,13 +326,14 @@ class _Sim:
         self.rem, self.ctx, self.gid = self.rem[keep], self.ctx[keep], self.gid[keep]
     if self.pending_version is not None and (sc.inflight_weight_updates or len(self.rem) == 0):
       self.sampler_version, self.pending_version = self.pending_version, None
+    draining = self.pending_version is not None
     if self.step_waiting:
       self.step_waiting = False
       self._start_step(now)
     if self.held or self.done:
       return
     self._admit(now)
-    free = sc.decode_slots - len(self.rem)
+    free = 0 if draining else sc.decode_slots - len(self.rem)
     starting = [self.pending.popleft() for _ in range(min(free, len(self.pending)))]
     for g, _ in starting:
       group = self.groups[g]
@@ -342,9 +349,15 @@ class _Sim:
     self.token += 1
     self.segment = _Segment(
         t0=now, prefill_s=m.prefill_per_token_s * sc.prompt_tokens * len(starting) / r,
-        steps=int(self.rem.min()), a_s=a_s, g_s=m.per_ctx_token_s * n / r, token=self.token)
+        steps=self._call_boundary(int(self.rem.min())), a_s=a_s, g_s=m.per_ctx_token_s * n / r,
+        token=self.token)
     self.events.push(now + self.segment.duration(self.segment.steps), "sampler",
                      (self.token, self.segment.steps))
+
+  def _call_boundary(self, steps: int) -> int:
+    """The first generate-call boundary at or after `steps` decode steps."""
+    spc = self.sc.steps_per_call
+    return -(-steps // spc) * spc
 
   def _poke(self, now: float, force: bool = False) -> None:
     """Something the sampler checks between steps changed: stop at the next boundary.
@@ -359,7 +372,7 @@ class _Sim:
       return
     if not force and len(self.rem) + len(self.pending) >= self.sc.decode_slots:
       return
-    target = min(seg.steps_done(now - seg.t0) + 1, seg.steps)
+    target = min(self._call_boundary(seg.steps_done(now - seg.t0) + 1), seg.steps)
     if target < seg.steps:
       seg.steps = target
       self.token += 1
@@ -371,15 +384,17 @@ class _Sim:
   def _rollout_finished(self, now: float, gid: int) -> None:
     self.generated += 1
     service_s = self.sc.verifier.service_s(self.rng)
-    self.row_verifier_s.append(service_s)
-    finish = self.pool.arrive(now, gid, service_s)
+    self.row_service_s.append(service_s)
+    finish = self.pool.arrive(now, (gid, now), service_s)
     if finish is not None:
-      self.events.push(finish, "verified", gid)
+      self.events.push(finish, "verified", (gid, now))
 
-  def _verified(self, now: float, gid: int) -> None:
+  def _verified(self, now: float, item: tuple[int, float]) -> None:
     nxt = self.pool.depart(now)
     if nxt is not None:
       self.events.push(nxt[0], "verified", nxt[1])
+    gid, submitted = item
+    self.row_latency_s.append(now - submitted)
     group = self.groups[gid]
     group.verified += 1
     if group.verified == self.sc.group_size:
@@ -466,7 +481,8 @@ class _Sim:
     dt = max(now - t_prev, 1e-12)
     busy_s = self.sampler_busy_s + (now - self.segment.t0 if self.segment else 0.0)
     lengths = np.asarray(self.row_lengths or [0])
-    vlat = np.asarray(self.row_verifier_s or [0.0])
+    service = np.asarray(self.row_service_s or [0.0])
+    latency = np.asarray(self.row_latency_s or [0.0])
     self.rows.append({
         "step": self.step, "time_s": now,
         "sampler/tokens_per_s": (self.sampler_tokens - samp_prev) / dt,
@@ -481,14 +497,16 @@ class _Sim:
         "weight_sync/duration_s": published_s,
         "weight_sync/version": self.version,
         "sampler/active_slots": len(self.rem),
-        "sampler/decode_steps": self.row_decode_steps,
+        "sampler/generate_calls": self.decode_steps // self.sc.steps_per_call,
         "trainer/step_time_s": self.train_s,
         **{f"lengths/p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 95, 99)},
         "lengths/truncation_rate": float(np.mean(lengths >= self.sc.lengths.max_tokens)),
-        **{f"latency/verifier_p{q}": float(np.percentile(vlat, q)) for q in (50, 95, 99)},
+        **{f"latency/verifier_p{q}": float(np.percentile(latency, q)) for q in (50, 95, 99)},
+        **{f"latency/verifier_service_p{q}": float(np.percentile(service, q))
+           for q in (50, 95, 99)},
     })
     self.last_row = (now, self.sampler_tokens, self.trainer_tokens)
-    self.row_lengths, self.row_verifier_s, self.row_decode_steps = [], [], 0
+    self.row_lengths, self.row_service_s, self.row_latency_s = [], [], []
 
   # -- run ---------------------------------------------------------------------------
 
@@ -555,14 +573,19 @@ def diagnose(pred: Prediction, scenario: Scenario) -> str:
                      discards, or a queue averaging at least one batch, with a busy trainer
     verifier-bound   trainer-starved, and the verifier pool busier than the sampler
     balanced         neither
+  Sync mode waits at its barrier by design, so it is labelled by the larger share of
+  the step: "sync, training-bound" or "sync, generation-bound".
   """
+  if scenario.mode == "sync":
+    return ("sync, training-bound" if pred.trainer_busy_frac >= 0.5
+            else "sync, generation-bound")
   starved = (pred.queue_depth_mean < scenario.groups_per_step / 4 and
              pred.trainer_busy_frac < 0.5)
   if starved:
     if pred.verifier_busy_frac > max(pred.sampler_busy_frac, 0.8):
       return "verifier-bound"
     return "trainer-starved"
-  bound = 0 if scenario.mode == "sync" else scenario.max_staleness
+  bound = scenario.max_staleness
   stale = bound > 0 and pred.staleness_mean >= bound / 2 and pred.discard_rate > 0
   deep = pred.queue_depth_mean >= scenario.groups_per_step
   if (stale or deep) and pred.trainer_busy_frac >= 0.7:
