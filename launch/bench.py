@@ -1,7 +1,7 @@
 """Benchmarks, one subcommand each; imports are lazy so each loads only what it needs.
 
   python launch/bench.py train [--preset tiny_char] [--seq 256] [--batch 16] [--steps 10]
-  python launch/bench.py sampler [--preset tiny_char] [--requests 256] [--median 12]
+  python launch/bench.py sampler [--preset tiny_char] [--requests 1024] [--median 12]
 
 Each subcommand prints one JSON line (for tools) and a small table (for people).
 """
@@ -47,11 +47,12 @@ def sampler(args):
   row = benchmark.run_sampler_benchmark(
       preset=args.preset, requests=args.requests, median=args.median,
       tail_frac=args.tail_frac, tail_mult=args.tail_mult, batch=args.batch, slots=args.slots,
-      page_size=args.page_size, steps_per_call=args.steps_per_call, seed=args.seed)
+      page_size=args.page_size, steps_per_call=args.steps_per_call,
+      recompute_requests=args.recompute_requests, seed=args.seed)
   print(json.dumps(row))
   print(_table(row, ("device", "preset", "requests", "median_len", "max_len", "tail_frac",
                      "static_batch", "paged_slots", "page_size", "kv_pages_budget",
-                     "steps_per_call", "paged_preemptions")))
+                     "steps_per_call", "paged_preemptions", "recompute_requests")))
   methods = ("recompute", "static", "paged")
   cols = ("tokens_per_s", "latency_p50_s", "latency_p99_s", "kv_pages_used", "wall_s")
   print(f"{'method':<10}" + "".join(f"{c:>15}" for c in cols))
@@ -82,7 +83,7 @@ def main(argv=None):
   p.set_defaults(fn=train)
   p = sub.add_parser("sampler", help=sampler.__doc__)
   p.add_argument("--preset", default="tiny_char")
-  p.add_argument("--requests", type=int, default=256, help="rollouts, all queued at once")
+  p.add_argument("--requests", type=int, default=1024, help="rollouts, all queued at once")
   p.add_argument("--median", type=int, default=12, help="median completion length")
   p.add_argument("--tail-frac", type=float, default=0.05, help="share of long completions")
   p.add_argument("--tail-mult", type=int, default=16, help="long length / median")
@@ -90,6 +91,8 @@ def main(argv=None):
   p.add_argument("--slots", type=int, default=64, help="paged decode slots")
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--steps-per-call", type=int, default=1)
+  p.add_argument("--recompute-requests", type=int, default=64,
+                 help="run the quadratic recompute baseline on the first N requests (0: all)")
   p.add_argument("--seed", type=int, default=0)
   p.set_defaults(fn=sampler)
   args = parser.parse_args(argv)

@@ -87,6 +87,18 @@ PROMPTS = [np.array([1, 5]), np.array([1, 7, 9, 11]), np.array([1, 20, 21, 22, 2
            np.arange(30, 41)]
 
 
+def test_from_config_derives_pool_from_kv_bytes():
+  from configs import base
+  sampler = base.get_config().sampler
+  sampler.num_pages, sampler.page_size, sampler.kv_cache_bytes = 0, 16, 3 * 2 ** 20
+  eng = E.Engine.from_config(sampler, CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]))
+  per_page = 2 * CFG.num_layers * 16 * CFG.num_kv_heads * CFG.head_dim * 4
+  assert eng.num_pages == 3 * 2 ** 20 // per_page
+  assert eng.max_concurrent_decodes == sampler.max_concurrent_decodes
+  sampler.num_pages = 100
+  assert E.Engine.from_config(sampler, CFG, mesh=eng.mesh).num_pages == 100
+
+
 def test_sample_tokens_temperature_matches_softmax():
   logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
   n, temp = 6000, 0.7
@@ -160,9 +172,28 @@ def test_paged_greedy_matches_recompute_with_slot_reuse(engine, params):
   np.testing.assert_allclose(lps2[1], new_lp[0], atol=1e-4)
 
   # One compiled program per operation, however many calls.
-  assert engine._generate._cache_size() == 1
+  assert engine._generate[engine.max_concurrent_decodes]._cache_size() == 1
   assert engine._insert._cache_size() == 1
   assert engine._prefill._cache_size() == 1  # every prompt fits the 16 bucket
+
+
+def test_move_slots_then_decode_a_prefix_of_slots(engine, params):
+  state = engine.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  state, _ = start(engine, params, state, alloc, 3, PROMPTS[3])
+  state, first, _, _ = decode(engine, params, state, 3)
+  # Only the registers move; the KV stays in the same pages.
+  state = engine.move_slots(state, [3], [0])
+  toks = []
+  for _ in range(5):
+    state, out = engine.generate(params, state, num_slots=1)
+    assert out.tokens_sb.shape == (1, 1) and bool(out.valid_sb[0, 0])
+    toks.append(int(out.tokens_sb[0, 0]))
+  ref_t, _ = reference_greedy(params, [PROMPTS[3]], 8)
+  np.testing.assert_array_equal(np.concatenate([first[3], toks]), ref_t[0])
+  assert not np.asarray(state.active_b)[1:].any()
+  with pytest.raises(ValueError, match="num_slots"):
+    engine.generate(params, state, num_slots=3)
 
 
 def test_length_limit_and_idle_slots(engine, params):
@@ -209,20 +240,23 @@ def test_shared_prefix_equals_separate_prefills(engine, params):
   assert len({tuple(t) for t in toks_a[:3]}) == 3  # per-sample keys differ
 
 
-def test_tensor_parallel_and_multistep_match_single_device(engine, params):
+def test_sharded_meshes_and_multistep_match_single_device(engine, params):
   state = engine.init_decode_state()
   alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
   for slot, prompt in enumerate(PROMPTS):
     state, _ = start(engine, params, state, alloc, slot, prompt)
   _, want, want_lp, _ = decode(engine, params, state, 6)
 
-  for kw in (dict(mesh_shape=(1, 1, 2)), dict(steps_per_call=3)):
+  for kw in (dict(mesh_shape=(1, 1, 2)), dict(mesh_shape=(2, 1, 1)), dict(steps_per_call=3)):
     eng = make_engine(**kw)
     p = eng.load_params(params)
-    if "mesh_shape" in kw:
+    if kw.get("mesh_shape") == (1, 1, 2):
       spec = eng.state_shardings.k_pages_lnpkd.spec
       assert tuple(spec) == (None, None, None, "tensor", None)
       assert p["layers"]["k"].sharding.spec[2] == "tensor"
+    if kw.get("mesh_shape") == (2, 1, 1):  # slots split over data, pools replicated
+      assert tuple(eng.state_shardings.page_table_bm.spec) == ("data", None)
+      assert tuple(eng.state_shardings.k_pages_lnpkd.spec) == (None,) * 5
     state = eng.init_decode_state()
     alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
     for slot, prompt in enumerate(PROMPTS):

@@ -70,6 +70,24 @@ class BusyTimer:
       self.intervals.append((start, end))
 
 
+class Reservoir:
+  """A uniform sample of at most `cap` of the values seen (for the planner's fits)."""
+
+  def __init__(self, cap: int = 20000, seed: int = 0):
+    self.cap, self.seen, self.values = cap, 0, []
+    self._rng = np.random.default_rng(seed)
+
+  def extend(self, values) -> None:
+    for v in values:
+      self.seen += 1
+      if len(self.values) < self.cap:
+        self.values.append(v)
+      else:
+        j = int(self._rng.integers(0, self.seen))
+        if j < self.cap:
+          self.values[j] = v
+
+
 class Pipeline:
   """Builds every part from a validated config and runs the chosen mode."""
 
@@ -78,7 +96,7 @@ class Pipeline:
     from rl_jax import model as model_lib
     from rl_jax import sharding
     from rl_jax.data import prompts as prompts_lib
-    from rl_jax.sampler.generator import Generator
+    from rl_jax.sampler.engine import Engine, Sampling
     from rl_jax.tasks import make_task
     from rl_jax.tasks.verifier_pool import VerifierPool
     from rl_jax.trainer.train_step import Trainer
@@ -119,15 +137,13 @@ class Pipeline:
         trainer_shardings=self.trainer.param_shardings,
         sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
         colocated=self.meshes.colocated)
-    sampler_model_cfg = model_cfg.replace(dtype=cfg.sampler.dtype)
-    self.generator = Generator(
-        sampler_model_cfg, cfg.sampler, self.meshes.sampler, self.tokenizer,
-        inflight_weight_updates=cfg.rl.inflight_weight_updates, seed=cfg.seed)
-    # The held-out evaluator has its own decode state so evaluation never disturbs the
-    # sequences the RL sampler has in flight.
-    self.evaluator = Generator(
-        sampler_model_cfg, cfg.sampler, self.meshes.sampler, self.tokenizer,
-        inflight_weight_updates=True, seed=cfg.seed + 1)
+    self.engine = Engine.from_config(cfg.sampler, model_cfg, mesh=self.meshes.sampler,
+                                     tokenizer=self.tokenizer)
+    self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
+                             top_p=cfg.sampler.top_p)
+    # Generators are made once the first weights are published (see run()).
+    self.generator = None
+    self.evaluator = None
     self.pool = VerifierPool(self.task, cfg.verifier, seed=cfg.seed)
 
     max_inflight = config_lib.max_inflight_groups(cfg)
@@ -157,8 +173,8 @@ class Pipeline:
     self.finished_rollouts: list = []  # since the last log line
     self.verifier_latencies: list[float] = []  # submitted -> scored (includes waiting)
     self.verifier_service: list[float] = []  # started -> scored
-    self.all_lengths: list[int] = []  # reservoir of completion lengths for the planner
-    self.all_service: list[float] = []
+    self.all_lengths = Reservoir(seed=1)  # completion lengths, for the planner
+    self.all_service = Reservoir(seed=2)
     self.prompt_tokens_total = 0
     self.step_times: list[float] = []
     self.padded_tokens = 0
@@ -166,15 +182,26 @@ class Pipeline:
     self.trainer_tokens = 0
     self.sync_durations: list[float] = []
     self.sync_lags: list[float] = []
-    self._reservoir_rng = np.random.default_rng(0)
-    self._reservoir_seen = 0
     self.last_verified = time.time()
+
+  def _make_generators(self, sampler_params) -> None:
+    from rl_jax.sampler.generator import Generator
+    self.generator = Generator(self.engine, sampler_params, version=self.version,
+                               inflight_weight_updates=self.cfg.rl.inflight_weight_updates,
+                               sampling=self.sampling)
+    # The held-out evaluator has its own decode state (same engine and compiled code), so
+    # evaluation never disturbs the sequences the RL sampler has in flight.
+    self.evaluator = Generator(self.engine, sampler_params, version=self.version,
+                               sampling=self.sampling)
 
   def _publish(self, params, version: int) -> None:
     sampler_params, stats = self.weight_sync.transfer(params, version)
     with self._lock:
       self._published_at[version] = time.time()
-    self.generator.update_params(sampler_params, version)
+    if self.generator is None:
+      self._make_generators(sampler_params)
+    else:
+      self.generator.update_params(sampler_params, version)
     self.sync_durations.append(stats.duration_s)
     self.last_sync = stats
 
@@ -423,14 +450,15 @@ class Pipeline:
       vlat, self.verifier_latencies = self.verifier_latencies, []
       vserv, self.verifier_service = self.verifier_service, []
     lengths = [r.num_tokens for r in finished]
-    self._reservoir(self.all_lengths, lengths)
-    self._reservoir(self.all_service, vserv)
+    self.all_lengths.extend(lengths)
+    self.all_service.extend(vserv)
     step_times, self.step_times = self.step_times, []
     padded, self.padded_tokens = self.padded_tokens, 0
     rollout_lat = [r.finished - r.admitted for r in finished if r.admitted]
     q = self.queue.snapshot()
     dt = max(dt, 1e-9)
     row: dict[str, Any] = {
+        "step": step,
         "time_s": self.clock.now(),
         "sampler/tokens_per_s": (self.sampler_tokens - last_tokens[0]) / dt,
         "sampler/rollouts_per_s": len(finished) / dt,
@@ -484,18 +512,6 @@ class Pipeline:
       row[("policy/" if k in policy_keys else "optim/") + k] = v
     return row
 
-  def _reservoir(self, store: list, values, cap: int = 20000) -> None:
-    """Keeps a uniform sample of at most `cap` values seen so far (for the planner)."""
-    rng = self._reservoir_rng
-    for v in values:
-      self._reservoir_seen += 1
-      if len(store) < cap:
-        store.append(v)
-      else:
-        j = int(rng.integers(0, self._reservoir_seen))
-        if j < cap:
-          store[j] = v
-
   def _summary(self, wall, step, h0, h1, curve) -> dict:
     device_hours = (self.sampler_busy.busy_s * self.meshes.sampler.devices.size +
                     self.trainer_busy.busy_s * self.meshes.trainer.devices.size) / 3600
@@ -531,8 +547,8 @@ class Pipeline:
         "timeline": {"sampler": self.sampler_busy.intervals[-5000:],
                      "trainer": self.trainer_busy.intervals[-5000:]},
         "staleness_definition": metrics_lib.DESCRIPTIONS["staleness"],
-        "completion_lengths": self.all_lengths,
-        "verifier_service_s": self.all_service,
+        "completion_lengths": self.all_lengths.values,
+        "verifier_service_s": self.all_service.values,
         "prompt_tokens_mean": self.prompt_tokens_total / max(self.counts["rollouts_generated"], 1),
     }
     if self.writer.enabled:

@@ -14,7 +14,8 @@ same model, parameters and sampling (temperature 1, per-request seeds, eos ignor
   paged      rl_jax's Generator: continuous batching over a paged pool with the same KV
              bytes as `static`, `slots` decode slots.
 Latency of a rollout is from the start of the run (all requests queued at once) to its
-last token. Compilation happens in an untimed warm-up pass.
+last token. kv_pages_used is the peak number of pages held (paged) or the pages the dense
+cache occupies (static). Compilation happens in an untimed warm-up pass.
 """
 from __future__ import annotations
 
@@ -172,6 +173,10 @@ def run_paged(requests, *, engine, params):
     warm.add_group(i, p, 1, seed=i, max_new_tokens=min(n, 4), stop_on_eos=False)
   while warm.num_active or warm.num_pending:
     warm.step()
+  state = engine.init_decode_state()
+  for k in engine.slot_buckets:  # every generate variant the run may use
+    state, out = engine.generate(params, state, num_slots=k)
+  jax.block_until_ready(out)
   gen = generator_lib.Generator(engine, params)
   for i, (p, n) in enumerate(requests):
     gen.add_group(i, p, 1, seed=i, max_new_tokens=n, stop_on_eos=False)

@@ -244,6 +244,27 @@ def _generate(params, state, *, model_cfg, stop_ids, page_size, steps):
   return state, StepOutput(tokens_sb, logprobs_sb, valid_sb, finish_sb, state.generated_b)
 
 
+_SLOT_FIELDS = tuple(f for f in DecodeState._fields if f not in ("k_pages_lnpkd", "v_pages_lnpkd"))
+
+
+def _generate_first(params, state, *, num_slots, **kw):
+  """_generate over slots [0, num_slots) only: with the KV in pages, a smaller batch is
+  just a slice of the per-slot registers."""
+  sub = state._replace(**{f: getattr(state, f)[:num_slots] for f in _SLOT_FIELDS})
+  sub, out = _generate(params, sub, **kw)
+  return state._replace(
+      k_pages_lnpkd=sub.k_pages_lnpkd, v_pages_lnpkd=sub.v_pages_lnpkd,
+      **{f: getattr(state, f).at[:num_slots].set(getattr(sub, f)) for f in _SLOT_FIELDS}), out
+
+
+def _move_slots(state, src_i, dst_i):
+  """Move sequences from slots src_i to slots dst_i (registers and page tables only)."""
+  moved = {f: getattr(state, f).at[dst_i].set(getattr(state, f)[src_i], mode="drop")
+           for f in _SLOT_FIELDS}
+  moved["active_b"] = moved["active_b"].at[src_i].set(False, mode="drop")
+  return state._replace(**moved)
+
+
 def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
   t = padded_tokens_t.shape[0]
   positions_1t = jnp.arange(t, dtype=jnp.int32)[None]
@@ -314,8 +335,10 @@ class Engine:
   free_resource, max_concurrent_decodes, samples_per_slot, max_prefill_length, mesh,
   get_tokenizer. rl_jax extras used by the Generator: write_prefix (one prefill shared
   by many slots), insert_many (start many sequences in one call, with copy-on-write of
-  a partial page), set_page_rows (grow page tables), free_slots, pad_tokens. Every
-  device method is jitted once per input shape (prefill once per length bucket).
+  a partial page), set_page_rows (grow page tables), free_slots, move_slots and
+  generate(num_slots=k) (decode only the first k slots when few are busy), pad_tokens.
+  Every device method is jitted once per input shape (prefill once per length bucket,
+  generate once per slot bucket).
   """
 
   def __init__(self, model_cfg: model.ModelConfig, *, mesh: Mesh,
@@ -357,9 +380,10 @@ class Engine:
                                               mesh, rules)
     self.state_shardings = self._state_shardings()
     rep = shd.replicated(mesh)
-    batch_vec = self._sharding(("batch",), (self._slots,))
-    s_b = self._sharding((None, "batch"), (self.steps_per_call, self._slots))
-    self.output_shardings = StepOutput(s_b, s_b, s_b, s_b, batch_vec)
+    self.output_shardings = self._output_shardings(self._slots)
+    # generate can run over the first k slots only; k is one of these.
+    self.slot_buckets = tuple(sorted(
+        {b for b in (2 ** i for i in range(20)) if b < self._slots} | {self._slots}))
     prefix_sh = self._sharding(_PREFIX_AXES, (cfg.num_layers, self._max_prefill_length,
                                               cfg.num_kv_heads, cfg.head_dim))
     self.prefix_shardings = Prefix(prefix_sh, prefix_sh, rep, rep)
@@ -368,12 +392,15 @@ class Engine:
 
     self._init_params = jax.jit(functools.partial(model.init_params, cfg),
                                 in_shardings=rep, out_shardings=self.param_shardings)
-    self._init_state = jax.jit(self._zero_state, out_shardings=st)
-    self._generate = jax.jit(
-        functools.partial(_generate, model_cfg=cfg, stop_ids=self.stop_ids,
-                          page_size=self.page_size, steps=self.steps_per_call),
-        in_shardings=(self.param_shardings, st), out_shardings=(st, self.output_shardings),
-        donate_argnums=(1,))
+    self._init_state = jax.jit(self._zero_state, in_shardings=(), out_shardings=st)
+    self._generate = {
+        k: jax.jit(
+            functools.partial(_generate_first, num_slots=k, model_cfg=cfg,
+                              stop_ids=self.stop_ids, page_size=self.page_size,
+                              steps=self.steps_per_call),
+            in_shardings=(self.param_shardings, st),
+            out_shardings=(st, self._output_shardings(k)), donate_argnums=(1,))
+        for k in self.slot_buckets}
     self._prefill = jax.jit(
         functools.partial(_prefill, model_cfg=cfg, kv_dtype=self.kv_dtype),
         in_shardings=(self.param_shardings, rep, rep), out_shardings=self.prefix_shardings)
@@ -386,6 +413,8 @@ class Engine:
                          donate_argnums=(0,))
     self._set_rows = jax.jit(_set_page_rows, in_shardings=(st, rep, rep), out_shardings=st,
                              donate_argnums=(0,))
+    self._move = jax.jit(_move_slots, in_shardings=(st, rep, rep), out_shardings=st,
+                         donate_argnums=(0,))
 
   @classmethod
   def from_config(cls, sampler_cfg, model_cfg: model.ModelConfig, *, mesh: Mesh,
@@ -403,6 +432,10 @@ class Engine:
                max_prefill_length=int(sampler_cfg.max_prefill_length),
                max_new_tokens=int(sampler_cfg.max_new_tokens), dtype=sampler_cfg.dtype,
                steps_per_call=int(sampler_cfg.steps_per_call), tokenizer=tokenizer)
+
+  def _output_shardings(self, num_slots: int) -> StepOutput:
+    s_b = self._sharding((None, "batch"), (self.steps_per_call, num_slots))
+    return StepOutput(s_b, s_b, s_b, s_b, self._sharding(("batch",), (num_slots,)))
 
   def _sharding(self, axes, shape) -> NamedSharding:
     return NamedSharding(self._mesh, shd.logical_to_spec(axes, self._rules, self._mesh, shape))
@@ -461,7 +494,9 @@ class Engine:
       raise NotImplementedError("prefill on top of an existing prefix is not supported")
     if not 1 <= int(true_length) <= min(len(padded_tokens), self._max_prefill_length):
       raise ValueError(f"true_length {true_length} outside 1..{len(padded_tokens)}")
-    return self._prefill(params, jnp.asarray(padded_tokens, jnp.int32), np.int32(true_length))
+    if not isinstance(padded_tokens, jax.Array):
+      padded_tokens = np.asarray(padded_tokens, np.int32)
+    return self._prefill(params, padded_tokens.astype(jnp.int32), np.int32(true_length))
 
   def write_prefix(self, prefix: Prefix, decode_state: DecodeState, *, pages) -> DecodeState:
     """Write a prefix's cached positions into `pages` (one id per page of prompt)."""
@@ -518,9 +553,21 @@ class Engine:
         max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
         stop_on_eos=stop_on_eos, seed=seed, sample_index=sample_index, sampling=sampling)])
 
-  def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
-    """steps_per_call decode steps over all slots in one call."""
-    return self._generate(params, decode_state)
+  def generate(self, params: Any, decode_state: DecodeState, *,
+               num_slots: int | None = None) -> tuple[DecodeState, StepOutput]:
+    """steps_per_call decode steps in one call, over all slots or over the first
+    `num_slots` (one of slot_buckets; StepOutput then has num_slots columns)."""
+    k = self._slots if num_slots is None else int(num_slots)
+    if k not in self._generate:
+      raise ValueError(f"num_slots must be one of {self.slot_buckets}, got {num_slots}")
+    return self._generate[k](params, decode_state)
+
+  def move_slots(self, decode_state: DecodeState, src, dst) -> DecodeState:
+    """Move the sequences in slots `src` to the idle slots `dst` (their pages stay)."""
+    src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
+    if src.shape != dst.shape or set(src.tolist()) & set(dst.tolist()):
+      raise ValueError(f"move_slots needs disjoint src/dst of one length, got {src}, {dst}")
+    return self._move(decode_state, self._pad_slots(src), self._pad_slots(dst))
 
   def _pad_slots(self, slots) -> np.ndarray:
     out = np.full((self._slots,), self._slots, np.int32)

@@ -8,8 +8,10 @@ One `step()` is one scheduling iteration:
      comes and its samples are inserted as slots free up; the samples share the full
      prompt pages and each gets a private copy of the partial last prompt page;
   3. give every running sequence the pages its next `steps_per_call` tokens need;
-  4. run one generate call over all slots and hand finished sequences back as
-     rl_jax.types.Rollout objects, freeing their slot and pages at once.
+  4. run one generate call and hand finished sequences back as rl_jax.types.Rollout
+     objects, freeing their slot and pages at once. When few slots are busy, their
+     sequences are moved into the lowest slots (registers only: the KV stays in its
+     pages) and the call covers just the smallest power-of-two prefix of slots.
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
@@ -279,7 +281,8 @@ class Generator:
     finished = []
     if self.num_active:
       version = self._version
-      self._state, out = self.engine.generate(self._params, self._state)
+      num_slots = self._compact()
+      self._state, out = self.engine.generate(self._params, self._state, num_slots=num_slots)
       self.generate_calls += 1
       finished = self._consume(jax.device_get(out), version)
     self.busy_s += time.perf_counter() - t0
@@ -298,6 +301,10 @@ class Generator:
   def _try_fill(self) -> None:
     eng, alloc = self.engine, self.allocator
     free = [i for i, s in enumerate(self._slots) if s is None][::-1]
+    # Pages the running sequences need for the next call; a sample is started only if
+    # its own first call fits beside them. Longer-term growth is not reserved: when the
+    # pool runs dry, _grow_pages preempts the youngest group.
+    reserve = sum(self._pages_short(s) for s in self._slots if s is not None)
     inserts, exhausted = [], []
     admitting = True
     for g in list(self._groups):
@@ -305,31 +312,29 @@ class Generator:
         break
       if not g.waiting:
         continue
+      cached = g.prompt.shape[0] - 1
+      first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens - 1),
+                                eng.page_size) - g.num_full
       if g.prefix_pages is None:
         if not admitting:
           continue
-        n_now = min(len(g.waiting), len(free))
-        # The prompt pages plus one private copy of the partial page; while others run,
-        # also a private copy per sample and one growth page per running sequence.
-        need = g.num_full + 2 * g.partial
-        if self.num_active:
-          need += (n_now - 1) * g.partial + self.num_active + n_now
-        if alloc.num_free < need:
+        # While others run, a new prompt also leaves 1/16 of the pool free for their
+        # growth, which keeps preemptions (recomputed work) rare near a full pool.
+        watermark = alloc.capacity // 16 if self.num_active else 0
+        if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
           admitting = False  # first come, first served for new prompts
           continue
         self._prefill(g)
-      while g.waiting and free:
+      while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
-        if private is None:
-          break
         shared = g.prefix_pages[:g.num_full]
         alloc.share(shared)
         seq = _Seq(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
                    pages=[int(p) for p in shared] + [int(p) for p in private],
-                   length=g.prompt.shape[0] - 1,
-                   cache_limit=g.prompt.shape[0] - 1 + g.max_new_tokens - 1)
+                   length=cached, cache_limit=cached + g.max_new_tokens - 1)
         self._slots[seq.slot] = seq
         g.running += 1
+        reserve += self._pages_short(seq)
         inserts.append(dict(
             slot=seq.slot, pages=seq.pages, token=int(g.prompt[-1]), length=seq.length,
             max_new_tokens=g.max_new_tokens, stop_on_eos=g.stop_on_eos, seed=g.seed,
@@ -343,9 +348,16 @@ class Generator:
     for g in exhausted:
       self._release_prefix(g)
 
+  def _pages_short(self, seq: _Seq) -> int:
+    """Pages `seq` lacks for the tokens its next generate call may cache."""
+    target = min(seq.length + self.engine.steps_per_call, seq.cache_limit)
+    return max(pt.pages_for(target, self.engine.page_size) - len(seq.pages), 0)
+
   def _prefill(self, g: _Group) -> None:
     eng = self.engine
     g.prefix_pages = self.allocator.allocate(g.num_full + g.partial)
+    if not g.prefix_pages.size:
+      return  # a one-token prompt caches nothing: its token is the first decode input
     padded, n = eng.pad_tokens(g.prompt)
     prefix = eng.prefill(params=self._params, padded_tokens=padded, true_length=n)
     self._state = eng.write_prefix(prefix, self._state, pages=g.prefix_pages)
@@ -362,8 +374,7 @@ class Generator:
     for seq in running:
       if self._slots[seq.slot] is not seq:
         continue  # preempted while serving an older sequence
-      target = min(seq.length + eng.steps_per_call, seq.cache_limit)
-      need = pt.pages_for(target, eng.page_size) - len(seq.pages)
+      need = self._pages_short(seq)
       new = alloc.allocate(need) if need > 0 else None
       while need > 0 and new is None:
         self._preempt(max((g for g in self._groups if g.running or g.prefix_pages is not None),
@@ -378,6 +389,20 @@ class Generator:
     if grown:
       self._state = eng.set_page_rows(self._state, [s.slot for s in grown],
                                       [s.pages for s in grown])
+
+  def _compact(self) -> int:
+    """Move busy sequences into the lowest slots so the smallest slot bucket that can
+    hold them all does; returns that bucket (the slots the next generate covers)."""
+    busy = [i for i, s in enumerate(self._slots) if s is not None]
+    want = next(k for k in self.engine.slot_buckets if k >= len(busy))
+    high = [i for i in busy if i >= want]
+    if high:
+      low = [i for i in range(want) if self._slots[i] is None][:len(high)]
+      self._state = self.engine.move_slots(self._state, high, low)
+      for src, dst in zip(high, low):
+        seq = self._slots[src]
+        seq.slot, self._slots[dst], self._slots[src] = dst, seq, None
+    return want
 
   def _preempt(self, g: _Group) -> None:
     """Drop the group's running samples (they restart from the prompt) and its pages."""
@@ -396,6 +421,11 @@ class Generator:
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
+    busy = [i for i, seq in enumerate(self._slots) if seq is not None]
+    if not valid_sb[0, busy].all():
+      # Host and device disagree about which slots decode: fail now, not spin forever.
+      raise RuntimeError(f"decode slots {busy} are busy on the host but the device "
+                         f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
     for s in range(valid_sb.shape[0]):
       for b in np.flatnonzero(valid_sb[s]):
         seq = self._slots[b]
