@@ -99,6 +99,7 @@ def test_bad_file_and_variant(tmp_path):
     ("trainer.length_buckets", (8, 16), ["trainer.length_buckets", "max_prompt_length"]),
     ("verifier.failure_prob", 1.5, ["verifier.failure_prob"]),
     ("sampler.max_concurrent_decodes", 6, ["sampler.max_concurrent_decodes", "4"]),
+    ("mesh.trainer.pipeline", 2, ["mesh.trainer.pipeline", "data, fsdp, tensor"]),
 ])
 def test_validation_errors(field, value, words):
   cfg, _ = load()
@@ -109,6 +110,7 @@ def test_validation_errors(field, value, words):
   with node.ignore_type():
     node[key] = value
   if field == "rl.groups_per_step":
+    cfg.mesh.trainer.update(data=1, fsdp=2, tensor=2)
     cfg.rl.group_size = 3  # 3 x 3 = 9 rollouts over 2 data-parallel trainer devices
   with pytest.raises(ConfigError) as e:
     config_lib.validate(cfg, num_devices=8)
@@ -120,6 +122,7 @@ def test_validation_errors(field, value, words):
 
 def test_colocated_single_device():
   cfg, _ = load("--config.mesh.colocated=true", "--config.mesh.sampler.data=1",
-                "--config.mesh.trainer.fsdp=1", "--config.mesh.trainer.tensor=1")
+                "--config.mesh.trainer.data=1", "--config.mesh.trainer.fsdp=1",
+                "--config.mesh.trainer.tensor=1")
   config_lib.validate(cfg, num_devices=1)
   assert config_lib.max_inflight_groups(cfg) == (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step

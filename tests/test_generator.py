@@ -118,6 +118,10 @@ def engine(stop_id):
 
 
 def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
+  # jax.jit of a module-level function (engine._insert) shares its compilation cache
+  # across Engine instances: count the programs this test adds, not absolute sizes.
+  gen_before = {k: f._cache_size() for k, f in engine._generate.items()}
+  insert_before = engine._insert._cache_size()
   gen = G.Generator(engine, params)
   max_new = [12, 3, 5, 8, 12, 2, 10]
   for i, (p, m) in enumerate(zip(PROMPTS, max_new)):
@@ -146,9 +150,13 @@ def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
   assert by_id[0].completion_tokens[-1] == stop_id and by_id[0].finish_reason == "stop"
   assert gen.allocator.num_used == 0 and not gen.allocator.refcounts().any()
   assert gen.tokens_generated == sum(r.num_tokens for r in rollouts)
-  # One program per slot bucket (busy sequences are compacted into the lowest slots).
-  assert all(f._cache_size() <= 1 for f in engine._generate.values())
-  assert engine._generate[1]._cache_size() == 1 and engine._insert._cache_size() == 1
+  # At most one new program per slot bucket (busy sequences are compacted into the lowest
+  # slots), the 1-slot bucket among those used, and at most one new insert program
+  # (none when another engine of the same shapes and shardings compiled it).
+  gen_after = {k: f._cache_size() for k, f in engine._generate.items()}
+  assert all(gen_after[k] <= gen_before[k] + 1 for k in gen_after), (gen_before, gen_after)
+  assert gen_after[1] >= 1
+  assert 1 <= engine._insert._cache_size() <= insert_before + 1
 
 
 def test_groups_share_prompt_pages_and_logprobs_match_recompute(engine, params):

@@ -101,11 +101,24 @@ def _exercise_profile():
 
 
 def test_eight_gpu_exercise_starved_and_overproducing_splits():
-  cfg = _cfg("--config.mesh.sampler.data=1", "--config.mesh.trainer.fsdp=1",
-             "--config.mesh.trainer.tensor=1", "--config.sampler.max_concurrent_decodes=32",
-             "--config.sampler.max_new_tokens=512", "--config.sampler.kv_cache_bytes=1073741824",
-             "--config.rl.groups_per_step=32", "--config.rl.max_inflight_groups=160",
-             "--config.rl.queue_maxsize=160", "--config.rl.total_steps=40")
+  # Every field capacity.scenario reads is set here, so the embedded default's tuning
+  # (which may change) does not move the expectations.
+  cfg = _cfg("--config.model.preset=tiny_char", "--config.seed=0",
+             "--config.mesh.colocated=false", "--config.mesh.sampler.data=1",
+             "--config.mesh.sampler.tensor=1", "--config.mesh.trainer.data=1",
+             "--config.mesh.trainer.fsdp=1", "--config.mesh.trainer.tensor=1",
+             "--config.sampler.max_concurrent_decodes=32", "--config.sampler.max_new_tokens=512",
+             "--config.sampler.kv_cache_bytes=1073741824", "--config.sampler.num_pages=0",
+             "--config.sampler.dtype=float32", "--config.sampler.steps_per_call=1",
+             "--config.trainer.length_buckets=(64, 128, 256, 512, 1024, 2048, 4096)",
+             "--config.trainer.micro_batch_size=0", "--config.trainer.num_minibatches=1",
+             "--config.rl.mode=async", "--config.rl.groups_per_step=32",
+             "--config.rl.group_size=8", "--config.rl.max_staleness=2",
+             "--config.rl.max_inflight_groups=160", "--config.rl.queue_maxsize=160",
+             "--config.rl.weight_sync_every=1", "--config.rl.inflight_weight_updates=true",
+             "--config.rl.total_steps=40", "--config.verifier.workers=8",
+             "--config.verifier.timeout_s=5.0", "--config.verifier.retries=1",
+             "--config.verifier.failure_prob=0.0")
   model_cfg, params = capacity.model_shape(cfg)
   prof = _exercise_profile()
 
@@ -134,10 +147,14 @@ def test_memory_arithmetic_of_real_presets():
   llama = presets.get_preset("llama3_8b")
   assert memory.kv_bytes_per_token(num_layers=llama.num_layers, num_kv_heads=llama.num_kv_heads,
                                    head_dim=llama.head_dim, dtype="bfloat16") == 131_072
+  # Every field memory.estimate reads is set here (not left to the default's tuning).
   cfg = _cfg("--config.model.preset=qwen2_0_5b", "--config.sampler.dtype=bfloat16",
              "--config.model.dtype=bfloat16", "--config.sampler.kv_cache_bytes=1073741824",
-             "--config.data.max_prompt_length=64", "--config.sampler.max_new_tokens=64",
-             "--config.trainer.micro_batch_size=4")
+             "--config.sampler.num_pages=0", "--config.data.max_prompt_length=64",
+             "--config.sampler.max_new_tokens=64",
+             "--config.trainer.length_buckets=(64, 128, 256, 512, 1024, 2048, 4096)",
+             "--config.trainer.micro_batch_size=4", "--config.trainer.kl_beta=0.0",
+             "--config.rl.groups_per_step=16", "--config.rl.group_size=8")
   est = memory.estimate(cfg=cfg, model_cfg=qwen, params=494_032_768, sampler_tensor=1,
                         trainer_devices=4, trainer_tensor=1, memory_gib=139)
   weights = 494_032_768 * 2
@@ -182,8 +199,15 @@ def test_profile_fit_recovers_known_models(tmp_path):
   """Rows written from known models: step time 0.01 + 1e-4 * active (one replica),
   train step 0.2 s + padded tokens / 40k, lognormal lengths (median 40, sigma 0.5)
   and verifier latencies (median 0.1 s, sigma 1.0)."""
-  cfg = _cfg("--config.mesh.sampler.data=1", "--config.mesh.trainer.fsdp=1",
-             "--config.mesh.trainer.tensor=1", "--config.sampler.max_new_tokens=512")
+  # One sampler replica and one trainer device, and every other field fit_profile reads,
+  # set here rather than inherited from the default's tuning.
+  cfg = _cfg("--config.mesh.sampler.data=1", "--config.mesh.sampler.tensor=1",
+             "--config.mesh.trainer.data=1", "--config.mesh.trainer.fsdp=1",
+             "--config.mesh.trainer.tensor=1", "--config.sampler.max_new_tokens=512",
+             "--config.sampler.steps_per_call=1", "--config.rl.weight_sync_every=1",
+             "--config.rl.groups_per_step=16", "--config.rl.group_size=8",
+             "--config.verifier.latency=lognormal", "--config.verifier.latency_mean_s=0.05",
+             "--config.verifier.latency_sigma=1.5")
   z90, z95, z99 = 1.2816, 1.6449, 2.3263
   rows, t, s_busy, t_busy = [], 0.0, 0.0, 0.0
   for step in range(1, 31):

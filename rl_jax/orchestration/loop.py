@@ -168,6 +168,7 @@ class Pipeline:
     self.sampler_busy = BusyTimer()
     self.trainer_busy = BusyTimer()
     self.counts = collections.Counter()
+    self.trained_log: list[tuple[int, int, int]] = []  # (trainer version, group id, staleness)
     self.staleness_hist: collections.Counter = collections.Counter()
     self.discarded_by_version: collections.Counter = collections.Counter()
     self.finished_rollouts: list = []  # since the last log line
@@ -287,7 +288,8 @@ class Pipeline:
       self.verifier_latencies.append(result.latency_s)
       self.verifier_service.append(result.t_finished - result.t_started)
       self.counts[f"verifier_{result.status}"] += 1
-      self.last_verified = time.time()
+      if result.status == "ok":
+        self.last_verified = time.time()
       complete = (len(group.rollouts) == self.cfg.rl.group_size and
                   all(x.verifier_status != "pending" for x in group.rollouts))
       if complete:
@@ -313,6 +315,15 @@ class Pipeline:
       detail = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1]
       raise RunError(f"a worker thread failed: {detail}") from e
 
+  def _check_verifier_outage(self) -> None:
+    """A verifier that stops answering `ok` (all timeouts or errors) ends the run after
+    rl.verifier_patience_s instead of training on zero rewards or waiting forever."""
+    patience = self.cfg.rl.verifier_patience_s
+    if time.time() - self.last_verified > patience:
+      statuses = {k[9:]: v for k, v in self.counts.items() if k.startswith("verifier_")}
+      raise RunError(f"no completion was verified ok for {patience:g}s "
+                     f"(rl.verifier_patience_s); verifier statuses so far: {statuses}")
+
   def _next_batch(self) -> list[Group]:
     """Pulls eligible groups, discarding those past the staleness bound."""
     cfg = self.cfg
@@ -322,12 +333,9 @@ class Pipeline:
       self._check()
       group = self.queue.get(timeout=0.2)
       if group is None:
-        if time.time() - self.last_verified > cfg.rl.verifier_patience_s:
-          raise RunError(
-              f"no group was verified for {cfg.rl.verifier_patience_s:.0f}s "
-              f"(rl.verifier_patience_s); verifier statuses so far: "
-              f"{ {k[9:]: v for k, v in self.counts.items() if k.startswith('verifier_')} }")
+        self._check_verifier_outage()
         continue
+      self._check_verifier_outage()
       s = group.staleness(self.version)
       if s > bound:
         self.queue.release()
@@ -336,6 +344,7 @@ class Pipeline:
         self.discarded_by_version[min(r.min_version for r in group.rollouts)] += 1
         continue
       self.staleness_hist[s] += 1
+      self.trained_log.append((self.version, group.group_id, s))
       batch.append(group)
     self._batch_staleness = [g.staleness(self.version) for g in batch]
     return batch
@@ -392,6 +401,7 @@ class Pipeline:
     self.console.message(f"{self.mode} GRPO: held-out reward at start {heldout_initial:.3f}")
     self.clock = _Clock()
     curve = [[0.0, 0, heldout_initial]]
+    self.last_verified = time.time()  # verifier patience counts from the pipeline's start
     self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler", daemon=True)
     self._sampler_thread.start()
     step = 0

@@ -1,0 +1,142 @@
+"""The sync/async pipeline end to end on a tiny workload: the DESIGN.md contracts."""
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rl_jax import config as config_lib
+from rl_jax.orchestration import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = [
+    "--config.rl.total_steps=6", "--config.rl.groups_per_step=4", "--config.rl.group_size=4",
+    "--config.rl.eval_every=3", "--config.task.heldout_size=8", "--config.warmstart.steps=0",
+    "--config.sampler.max_concurrent_decodes=16", "--config.sampler.max_new_tokens=16",
+    "--config.trainer.length_buckets=(32,)", "--config.verifier.workers=4",
+    "--config.verifier.latency=lognormal", "--config.verifier.latency_mean_s=0.01",
+    "--config.metrics.console=false", "--config.metrics.tensorboard=false",
+]
+
+
+def make_cfg(*overrides):
+  cfg, _ = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"),
+                                  *TINY, *overrides])
+  return config_lib.validate(cfg)
+
+
+def run_pipeline(cfg, workdir):
+  pipe = loop.Pipeline(cfg, str(workdir))
+  rollouts = []
+  original = pipe._on_rollout_finished
+
+  def capture(r):
+    rollouts.append(r)
+    original(r)
+  pipe._on_rollout_finished = capture
+  summary = pipe.run()
+  return pipe, summary, rollouts
+
+
+def check_common(pipe, summary, rollouts, workdir, max_staleness):
+  cfg = pipe.cfg
+  versions = [v for v, _, _ in pipe.trained_log]
+  assert versions == sorted(versions), "trainer versions must be monotone"
+  assert summary["policy_version"] == cfg.rl.total_steps // cfg.rl.weight_sync_every
+  assert all(s <= max_staleness for _, _, s in pipe.trained_log)
+  assert len(pipe.trained_log) == cfg.rl.total_steps * cfg.rl.groups_per_step
+  # every rollout is accounted for: trained, discarded as stale, or still in flight
+  assert summary["rollouts_generated"] == len(rollouts)
+  assert summary["rollouts_trained"] == cfg.rl.total_steps * cfg.rl.groups_per_step * cfg.rl.group_size
+  assert (summary["rollouts_trained"] + summary["rollouts_discarded_stale"] +
+          summary["rollouts_in_flight_at_end"] == summary["rollouts_generated"])
+  assert summary["rollouts_in_flight_at_end"] >= 0
+  assert summary["max_queue_depth"] <= cfg.rl.queue_maxsize
+  # token versions are tags of published versions, non-decreasing along a completion
+  for r in rollouts:
+    assert r.token_versions.shape == r.completion_tokens.shape == r.behavior_logprobs.shape
+    assert np.all(np.diff(r.token_versions) >= 0)
+    assert 0 <= r.min_version and r.token_versions.max() <= summary["policy_version"]
+    assert np.all(r.behavior_logprobs <= 0)
+  with open(os.path.join(workdir, "summary.json")) as f:
+    on_disk = json.load(f)
+  for key in ("mode", "wall_time_s", "optimizer_steps", "policy_version", "heldout_reward_initial",
+              "heldout_reward_final", "heldout_curve", "rollouts_generated", "rollouts_trained",
+              "rollouts_discarded_stale", "staleness_histogram", "sampler_tokens_per_s",
+              "trainer_tokens_per_s", "weight_sync_s_mean", "sampler_busy_frac",
+              "trainer_busy_frac"):
+    assert key in on_disk, key
+  assert on_disk["optimizer_steps"] == cfg.rl.total_steps
+  assert 0 < on_disk["sampler_busy_frac"] <= 1 and 0 < on_disk["trainer_busy_frac"] <= 1
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  keys = set().union(*rows)
+  for prefix in ("sampler/", "lengths/", "latency/", "queue/", "staleness/", "weight_sync/",
+                 "policy/", "optim/", "reward/", "cost/"):
+    assert any(k.startswith(prefix) for k in keys), prefix
+  assert [r["step"] for r in rows if "optim/loss" in r] == list(range(1, cfg.rl.total_steps + 1))
+
+
+def test_async_bounded_staleness_and_inflight_updates(tmp_path):
+  cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
+                 "--config.rl.inflight_weight_updates=true")
+  pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
+  check_common(pipe, summary, rollouts, tmp_path, max_staleness=1)
+  # admission control: in-flight + queued + being trained never exceeds (S + 1) * B
+  assert pipe.queue.max_inflight == 2 * cfg.rl.groups_per_step
+  assert summary["mode"] == "async"
+  # in-flight weight updates: some completions span a publication, and every segment's
+  # version was published before the completion finished
+  mixed = [r for r in rollouts if r.mixed_versions]
+  assert mixed, "expected rollouts generated across a weight update"
+  for r in mixed:
+    for v in np.unique(r.token_versions):
+      assert pipe._published_at[int(v)] <= r.finished
+
+
+def test_sync_trains_only_on_policy(tmp_path):
+  cfg = make_cfg("--config.rl.mode=sync")
+  pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
+  check_common(pipe, summary, rollouts, tmp_path, max_staleness=0)
+  assert set(summary["staleness_histogram"]) == {"0"}
+  assert summary["rollouts_discarded_stale"] == 0
+  # the barrier: nothing is generated beyond the trained batches
+  assert summary["rollouts_generated"] == summary["rollouts_trained"]
+  assert not any(r.mixed_versions for r in rollouts)
+  # each version's groups were trained at exactly that version
+  by_version = {}
+  for v, gid, s in pipe.trained_log:
+    by_version.setdefault(v, []).append(gid)
+  assert sorted(by_version) == list(range(cfg.rl.total_steps))
+  assert all(len(g) == cfg.rl.groups_per_step for g in by_version.values())
+
+
+def test_verifier_outage_is_a_clear_error_not_a_hang(tmp_path):
+  cfg = make_cfg("--config.rl.mode=async", "--config.verifier.latency=fixed",
+                 "--config.verifier.latency_mean_s=5.0", "--config.verifier.timeout_s=0.05",
+                 "--config.verifier.retries=0", "--config.rl.verifier_patience_s=3.0",
+                 "--config.rl.eval_every=0")
+  t0 = time.time()
+  with pytest.raises(loop.RunError, match=r"no completion was verified ok for 3s.*timeout"):
+    loop.Pipeline(cfg, str(tmp_path)).run()
+  assert time.time() - t0 < 120
+  assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]
+
+
+def test_worker_thread_error_stops_the_run(tmp_path, monkeypatch):
+  from rl_jax.sampler import generator
+  calls = {"n": 0}
+  original = generator.Generator.step
+
+  def failing_step(self):
+    calls["n"] += 1
+    if calls["n"] > 5:
+      raise RuntimeError("decode exploded")
+    return original(self)
+  monkeypatch.setattr(generator.Generator, "step", failing_step)
+  cfg = make_cfg("--config.rl.mode=async", "--config.rl.eval_every=0")
+  with pytest.raises(loop.RunError, match="a worker thread failed: RuntimeError: decode exploded"):
+    loop.Pipeline(cfg, str(tmp_path)).run()
+  assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]
