@@ -491,7 +491,8 @@ class Engine:
               padded_tokens, true_length: int) -> Prefix:
     """Dense K/V of one padded prompt (batch 1)."""
     if existing_prefix is not None:
-      raise NotImplementedError("prefill on top of an existing prefix is not supported")
+      raise ValueError("prefill on top of an existing prefix is not supported: rl_jax "
+                       "prefills whole prompts and shares their pages instead")
     if not 1 <= int(true_length) <= min(len(padded_tokens), self._max_prefill_length):
       raise ValueError(f"true_length {true_length} outside 1..{len(padded_tokens)}")
     if not isinstance(padded_tokens, jax.Array):

@@ -22,6 +22,7 @@ in the training stream and in the held-out set.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 from collections.abc import Sequence
@@ -154,7 +155,7 @@ class _IndexedExamples(Sequence):
     return self._task.example(i % len(self))
 
 
-class ProceduralTask:
+class ProceduralTask(abc.ABC):
   """Base of generated tasks. Subclasses implement `_generate(rng) -> Example`.
 
   Training example i is the first draw from rng(seed, i, attempt), attempt = 0, 1, ...,
@@ -175,8 +176,9 @@ class ProceduralTask:
     self.heldout_fraction = float(heldout_fraction)
     self._heldout: list[Example] | None = None
 
+  @abc.abstractmethod
   def _generate(self, rng: np.random.Generator) -> Example:
-    raise NotImplementedError
+    """One example drawn from `rng` (subclasses define the task's distribution)."""
 
   @property
   def num_train(self) -> int:
