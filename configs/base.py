@@ -111,6 +111,9 @@ def get_config(arg=None):
   c.checkpoint.keep = 3
   c.checkpoint.keep_best = False
   c.checkpoint.async_save = True
+  # After SIGTERM (preemption) the run saves and exits within this many seconds, or
+  # exits without a new checkpoint when the save cannot finish in time.
+  c.checkpoint.grace_period_s = 30.0
 
   c.metrics = ml_collections.ConfigDict()
   c.metrics.log_every = 1

@@ -2,8 +2,11 @@
 
   python launch/bench.py train [--preset tiny_char] [--seq 256] [--batch 16] [--steps 10]
   python launch/bench.py sampler [--preset tiny_char] [--requests 1024] [--median 12]
+  python launch/bench.py suite [--preset qwen2_0_5b] [--small] [--skip e2e,...] [--aot-only]
+                               [--out results.json]
 
-Each subcommand prints one JSON line (for tools) and a small table (for people).
+train and sampler print one JSON line (for tools) and a small table (for people); suite
+writes its JSON to --out and prints its table last (see notes/PERFORMANCE.md).
 """
 import argparse
 import json
@@ -11,6 +14,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rl_jax.bench import options  # noqa: E402  (argparse only, imports no jax)
 
 
 def _table(row: dict, keys) -> str:
@@ -62,6 +67,16 @@ def sampler(args):
         f"paged/recompute tokens/s = {row['ratio_paged_over_recompute']:.2f}")
 
 
+def suite(args):
+  """Decode, prefill, train, weight sync, plain-JAX anchor, e2e and AOT memory on one device."""
+  try:
+    from rl_jax.bench import suite as suite_lib
+  except ImportError as e:
+    sys.exit(f"error: cannot import {e.name}: {e}; see notes/PERFORMANCE.md for the wheels "
+             "the benchmark machine needs")
+  sys.exit(suite_lib.main(args))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +110,9 @@ def main(argv=None):
                  help="run the quadratic recompute baseline on the first N requests (0: all)")
   p.add_argument("--seed", type=int, default=0)
   p.set_defaults(fn=sampler)
+  p = sub.add_parser("suite", help=suite.__doc__)
+  options.add_suite_args(p)
+  p.set_defaults(fn=suite)
   args = parser.parse_args(argv)
   args.fn(args)
 

@@ -3,7 +3,9 @@
   python launch/compare.py --config configs/default.py --workdir runs/compare [--config.x=y ...]
 
 Each mode runs in its own process (fair compile and cache state). Target = sync's final
-held-out reward; speedup = sync's time to target / async's time to target.
+held-out reward, taken as the mean of its last three evaluations because one evaluation
+is noisy; time to target = pipeline time of a run's first evaluation at or above it;
+speedup = sync's time to target / async's.
 """
 import argparse
 import os
@@ -29,7 +31,7 @@ def main():
       sys.exit(f"error: the {mode} run failed")
   runs = [report.load_run(os.path.join(args.workdir, m)) for m in ("sync", "async")]
   sync, async_ = (r["summary"] for r in runs)
-  target = sync["heldout_reward_final"]
+  target = report.final_reward(sync["heldout_curve"])
   t_sync = report.time_to_target(sync["heldout_curve"], target)
   t_async = report.time_to_target(async_["heldout_curve"], target)
   if t_async is None:
@@ -37,7 +39,8 @@ def main():
   else:
     line = (f"time to target (held-out reward {target:.3f}): sync {t_sync:.1f}s, "
             f"async {t_async:.1f}s, speedup {t_sync / max(t_async, 1e-9):.2f}x; final held-out "
-            f"sync {target:.3f} vs async {async_['heldout_reward_final']:.3f}")
+            f"(mean of last 3 evaluations) sync {target:.3f} vs async "
+            f"{report.final_reward(async_['heldout_curve']):.3f}")
   path = report.write_html(runs, args.workdir, headline=line)
   print(line)
   print(f"report: {path}")

@@ -1,6 +1,10 @@
 """Train a policy with synchronous or asynchronous GRPO.
 
   python launch/train.py --config configs/default.py [--workdir runs/x] [--config.rl.mode=sync]
+
+With --config.checkpoint.every=N the run checkpoints to <workdir>/checkpoints, and the same
+command with the same --workdir resumes from the newest checkpoint. SIGTERM saves and exits
+with status 0 within checkpoint.grace_period_s; any failure exits non-zero with one line.
 """
 import argparse
 import os
@@ -26,10 +30,15 @@ def main(argv):
     summary = loop.run(cfg, args.workdir)
   except (config_lib.ConfigError, loop.RunError) as e:
     sys.exit(f"error: {e}")
+  except loop.Preempted as e:
+    print(e, flush=True)
+    return
   except KeyboardInterrupt:
     sys.exit("interrupted")
+  lost = summary["groups_lost_on_resume"]
   print(f"done: held-out reward {summary['heldout_reward_initial']:.3f} -> "
-        f"{summary['heldout_reward_final']:.3f} in {summary['wall_time_s']:.0f}s; "
+        f"{summary['heldout_reward_final']:.3f} in {summary['wall_time_s']:.0f}s"
+        f"{f'; {lost} groups lost on resume' if summary['resumes'] else ''}; "
         f"summary in {os.path.join(args.workdir, 'summary.json')}")
 
 

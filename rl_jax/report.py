@@ -30,6 +30,11 @@ def load_run(workdir: str) -> dict:
   return {"name": name, "workdir": workdir, "summary": summary, "rows": rows}
 
 
+def final_reward(curve: Sequence[Sequence[float]], last: int = 3) -> float:
+  """Mean held-out reward of the last `last` evaluations (one evaluation is noisy)."""
+  return float(np.mean([r for _, _, r in curve[-last:]]))
+
+
 def time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | None:
   """Pipeline wall time of the first held-out evaluation at or above `target`."""
   for t, _, r in curve:

@@ -14,12 +14,25 @@ calling thread) consumes groups, trains, and publishes weights.
 Staleness of a group at consumption = trainer_version - min over its tokens' versions.
 Held-out evaluation pauses the sampler and the clock, so wall_time_s compares modes on
 the pipeline alone.
+
+Checkpoints (checkpoint.every > 0, rl_jax.checkpoint) hold the trainer state and the loop
+state at a cut in the stream of groups: every group id below `next_group_id` is settled
+(trained, discarded as stale, or lost). Sync mode cuts before the first group not yet
+trained, so a resumed run admits those groups again with the same ids, prompts and seeds
+and, batches being ordered by group id, repeats the uninterrupted run bit for bit. Async
+mode cuts at the last admission; the groups then in flight or queued are lost on resume
+(counted in summary.json, never repeated). Faults: SIGTERM saves at the next step
+boundary and raises Preempted; a failure in any thread stops every thread, saves when the
+trainer state is consistent, and raises RunError.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -37,11 +50,15 @@ class RunError(RuntimeError):
   """A run that cannot continue: one sentence for the user."""
 
 
+class Preempted(Exception):
+  """The run stopped after SIGTERM; the message says which checkpoint holds its state."""
+
+
 class _Clock:
   """Wall clock that can be paused (held-out evaluation is not pipeline time)."""
 
-  def __init__(self):
-    self._start = time.perf_counter()
+  def __init__(self, start_s: float = 0.0):
+    self._start = time.perf_counter() - start_s  # a resumed run continues its clock
     self._paused_total = 0.0
     self._paused_at = None
 
@@ -184,6 +201,22 @@ class Pipeline:
     self.sync_durations: list[float] = []
     self.sync_lags: list[float] = []
     self.last_verified = time.time()
+    # Admitted groups not yet trained or discarded: id -> {"prompts": iterator state before
+    # the group was drawn, "rollouts": finished so far}. Guarded by _lock with admission.
+    self._outstanding: dict[int, dict] = {}
+    self._resumes: list[dict] = []  # one entry per resume in this run's lineage
+    self._carried: dict[str, list[float]] = {"weight_sync_s": [0.0, 0], "weight_sync_lag_s": [0.0, 0]}
+    self._heldout_initial: float | None = None
+    self._curve: list | None = None  # the held-out curve so far; set once RL starts
+    self._consistent = True  # False while a train step owns (donates) self.state
+    self._preempt = threading.Event()
+    self._metric_marks = collections.Counter()  # counters at the last metrics row
+    self.checkpoint_blocking_s = 0.0
+    self.last_checkpoint_step: int | None = None
+    self.checkpointer = None
+    if cfg.checkpoint.every > 0:
+      from rl_jax import checkpoint as checkpoint_lib
+      self.checkpointer = checkpoint_lib.Checkpointer(workdir, cfg.checkpoint)
 
   def _make_generators(self, sampler_params) -> None:
     from rl_jax.sampler.generator import Generator
@@ -248,9 +281,14 @@ class Pipeline:
         if self._admitted_for_version[v] >= cfg.rl.groups_per_step or v != self.version:
           return
         self._admitted_for_version[v] += 1
-      record = next(self.prompts)
-      gid = self._next_group_id
-      self._next_group_id += 1
+      with self._lock:
+        # One critical section, so a checkpoint sees the iterator, the id cursor and the
+        # outstanding groups of a single moment.
+        before = self.prompts.get_state()
+        record = next(self.prompts)
+        gid = self._next_group_id
+        self._next_group_id += 1
+        self._outstanding[gid] = {"prompts": before, "rollouts": 0}
       example = self.task.example(int(record["index"]))
       now = time.time()
       group = Group(group_id=gid, example=example,
@@ -266,6 +304,7 @@ class Pipeline:
     with self._lock:
       group = self._groups[r.group_id]
       group.rollouts.append(r)
+      self._outstanding[r.group_id]["rollouts"] += 1
       self.finished_rollouts.append(r)
       self.counts["rollouts_generated"] += 1
       self.sampler_tokens += r.num_tokens
@@ -275,6 +314,14 @@ class Pipeline:
                      callback=self._on_verified)
 
   def _on_verified(self, key, result) -> None:
+    # The pool only logs a callback's exception; the run must stop on it instead of
+    # waiting for a group that can no longer complete.
+    try:
+      self._record_verified(key, result)
+    except BaseException as e:
+      self._fail(e)
+
+  def _record_verified(self, key, result) -> None:
     gid, idx = key
     with self._lock:
       group = self._groups.get(gid)
@@ -331,6 +378,8 @@ class Pipeline:
     bound = 0 if self.sync else cfg.rl.max_staleness
     while len(batch) < cfg.rl.groups_per_step:
       self._check()
+      if self._preempt.is_set():
+        raise Preempted()
       group = self.queue.get(timeout=0.2)
       if group is None:
         self._check_verifier_outage()
@@ -342,10 +391,16 @@ class Pipeline:
         self.counts["groups_discarded_stale"] += 1
         self.counts["rollouts_discarded_stale"] += len(group.rollouts)
         self.discarded_by_version[min(r.min_version for r in group.rollouts)] += 1
+        with self._lock:
+          self._outstanding.pop(group.group_id, None)
         continue
       self.staleness_hist[s] += 1
       self.trained_log.append((self.version, group.group_id, s))
       batch.append(group)
+    if self.sync:
+      # Verifier completion order must not reach the update: summation order in the
+      # loss follows the rows, and sync runs are reproducible bit for bit.
+      batch.sort(key=lambda g: g.group_id)
     self._batch_staleness = [g.staleness(self.version) for g in batch]
     return batch
 
@@ -378,6 +433,8 @@ class Pipeline:
     n = self.task.num_train
     sft = self.trainer.init_sft_state(params=self.state.params)
     for step in range(w.steps):
+      if self._preempt.is_set():
+        raise Preempted()
       idx = rng.integers(0, n, size=w.batch_size)
       examples = [self.task.example(int(i)) for i in idx]
       prompts = [encode_prompt(e.prompt, tokenizer=self.tokenizer,
@@ -393,28 +450,53 @@ class Pipeline:
     self.state = self.trainer.init_state(params=sft.params)
 
   def run(self) -> dict:
-    cfg = self.cfg
+    """Warm-up (or resume from the newest checkpoint), train, evaluate; the summary.
+
+    Raises Preempted after SIGTERM and RunError when any thread fails; both save a
+    checkpoint first when checkpointing is on and the trainer state is consistent.
+    """
     self._sampler_thread = None
-    self.warmstart()
-    self._publish(self.state.params, self.version)
-    heldout_initial = self.evaluate()
-    self.console.message(f"{self.mode} GRPO: held-out reward at start {heldout_initial:.3f}")
-    self.clock = _Clock()
-    curve = [[0.0, 0, heldout_initial]]
-    self.last_verified = time.time()  # verifier patience counts from the pipeline's start
-    self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler", daemon=True)
-    self._sampler_thread.start()
-    step = 0
-    self._held_groups = 0  # trained but not yet published
-    heldout = heldout_initial
-    last_log_t = self.clock.now()
-    last_log_tokens = (0, 0)
+    restore_sigterm = self._catch_sigterm()
     try:
+      return self._run()
+    finally:
+      restore_sigterm()
+      if self.checkpointer is not None:
+        self.checkpointer.close()
+
+  def _run(self) -> dict:
+    cfg = self.cfg
+    resumed = self._restore()
+    step = 0 if resumed is None else resumed["step"]
+    try:
+      if resumed is None:
+        self.warmstart()
+        self._publish(self.state.params, self.version)
+        heldout_initial = self.evaluate()
+        self.console.message(f"{self.mode} GRPO: held-out reward at start {heldout_initial:.3f}")
+        self.clock = _Clock()
+        curve = [[0.0, 0, heldout_initial]]
+      else:
+        self._publish(self.state.params, self.version)
+        self.clock = _Clock(start_s=resumed["wall_time_s"])
+        heldout_initial, curve = resumed["heldout_initial"], resumed["heldout_curve"]
+      self._heldout_initial, self._curve = heldout_initial, curve
+      if resumed is None:
+        self._save(step, heldout=heldout_initial)
+      self.last_verified = time.time()  # verifier patience counts from the pipeline's start
+      self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler",
+                                              daemon=True)
+      self._sampler_thread.start()
+      self._held_groups = 0  # trained but not yet published
+      heldout = curve[-1][2]
+      last_log_t = self.clock.now()
+      last_log_tokens = (self.sampler_tokens, self.trainer_tokens)
       while step < cfg.rl.total_steps:
         groups = self._next_batch()
         t0 = self.clock.now()
         batch = self.trainer.make_train_batch(groups)
         t_step = time.perf_counter()
+        self._consistent = False  # the step donates self.state; version and counters follow
         self.state, tm = self.trainer.step(self.state, batch)
         self.step_times.append(time.perf_counter() - t_step)
         self.padded_tokens += int(batch.tokens_bt.size)
@@ -422,6 +504,9 @@ class Pipeline:
         trained = sum(len(g.rollouts) for g in groups)
         self.counts["rollouts_trained"] += trained
         self.trainer_tokens += int(tm.get("tokens", 0))
+        with self._lock:
+          for g in groups:
+            self._outstanding.pop(g.group_id, None)
         if step % cfg.rl.weight_sync_every == 0:
           self.version += 1
           self._publish(self.state.params, self.version)
@@ -429,30 +514,289 @@ class Pipeline:
           self._held_groups = 0
         else:
           self._held_groups += len(groups)
+        self._consistent = True
         self.trainer_busy.add(t0, self.clock.now())
+        evaluated = False
         if cfg.rl.eval_every and step % cfg.rl.eval_every == 0 and step < cfg.rl.total_steps:
           heldout = self.evaluate()
           curve.append([self.clock.now(), step, heldout])
+          evaluated = True
+        # The last step is saved after the final evaluation, below. With keep_best every
+        # evaluated step is saved, so the best one can be kept.
+        every = cfg.checkpoint.every
+        if every and step < cfg.rl.total_steps and (
+            step % every == 0 or (evaluated and cfg.checkpoint.keep_best)):
+          self._save(step, heldout=heldout if evaluated else None)
         if step % cfg.metrics.log_every == 0 or step == cfg.rl.total_steps:
           now = self.clock.now()
           row = self._step_metrics(step, groups, tm, heldout, now - last_log_t, last_log_tokens)
+          row.update(self._fault_metrics())
           last_log_t, last_log_tokens = now, (self.sampler_tokens, self.trainer_tokens)
           self.writer.write(step, row)
           self.console.line(row)
+        if self._preempt.is_set():
+          raise Preempted()
       wall = self.clock.now()
+    except BaseException as e:
+      self._stop_workers()
+      error = self._abort(e, step)
+      if error is e:
+        raise
+      raise error from e
     finally:
-      self._stop.set()
-      self.queue.close()
-      if self._sampler_thread is not None:
-        self._sampler_thread.join(timeout=30)
-      self.pool.close()
+      self._stop_workers()
     self._check()
     heldout_final = self.evaluate()
+    # Saved before the final point joins the curve: resuming a finished run evaluates
+    # again and appends it once.
+    self._save(step, heldout=heldout_final, wait=True)
     curve.append([wall, step, heldout_final])
     summary = self._summary(wall, step, heldout_initial, heldout_final, curve)
     self.writer.write(step, {"reward/heldout": heldout_final})
     self.writer.close()
     return summary
+
+  def _stop_workers(self) -> None:
+    self._stop.set()
+    self.queue.close()
+    if self._sampler_thread is not None:
+      self._sampler_thread.join(timeout=30)
+    self.pool.close()
+
+  def _catch_sigterm(self):
+    """Routes SIGTERM to a stop at the next step boundary (see _abort); past
+    checkpoint.grace_period_s the process exits without waiting for the save. Returns
+    the function that puts the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+      return lambda: None  # signal handlers can only be set from the main thread
+    grace = float(self.cfg.checkpoint.grace_period_s)
+
+    def give_up():
+      sys.stderr.write(f"error: SIGTERM: the checkpoint could not be saved within "
+                       f"checkpoint.grace_period_s={grace:g}s; exiting without it\n")
+      sys.stderr.flush()
+      os._exit(1)  # pylint: disable=protected-access
+
+    def on_sigterm(signum, frame):
+      del signum, frame
+      if not self._preempt.is_set():
+        self._preempt.set()
+        timer = threading.Timer(grace, give_up)
+        timer.daemon = True
+        timer.start()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+  def _abort(self, e: BaseException, step: int) -> BaseException:
+    """The exception run() raises after `e` stopped training at `step` optimizer steps;
+    saves the state first when it is consistent (no train step was cut short)."""
+    if isinstance(e, KeyboardInterrupt):
+      return e
+    if self._consistent:
+      self._save(step, wait=True)
+    latest = self.last_checkpoint_step
+    if self.checkpointer is None:
+      where = "checkpointing is off (checkpoint.every=0)"
+    elif latest is None:
+      where = "no checkpoint was saved yet"
+    else:
+      where = (f"{'saved' if latest == step else 'the newest is'} checkpoint step {latest} in "
+               f"{self.checkpointer.directory}; rerun the same command to resume")
+    if isinstance(e, Preempted):
+      return Preempted(f"preempted (SIGTERM) after {step} optimizer steps: {where}")
+    if isinstance(e, config_lib.ConfigError):
+      return e
+    if isinstance(e, RunError) and not isinstance(e.__cause__, Exception):
+      return RunError(f"{e} ({where})" if self.checkpointer is not None else str(e))
+    # An unexpected exception: one line for the user, the traceback in the workdir.
+    log = os.path.join(self.workdir, "error.log")
+    with open(log, "a") as f:
+      f.write("".join(traceback.format_exception(e)))
+    detail = str(e) if isinstance(e, RunError) else (
+        "the trainer failed: " +
+        "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1])
+    return RunError(f"{detail} (traceback in {log}; {where})")
+
+  def _save(self, step: int, *, heldout: float | None = None, wait: bool = False) -> bool:
+    """Checkpoints the state after `step` optimizer steps; False when checkpointing is
+    off, RL has not started, or the step exists. Arrays are copied before it returns;
+    the write finishes in the background unless `wait`."""
+    if self.checkpointer is None or self._curve is None:
+      return False
+    t0 = time.perf_counter()
+    saved = self.checkpointer.save(
+        step, params=self.state.params, opt_state=self.state.opt_state,
+        ref_params=self.trainer.ref_params if self.cfg.trainer.kl_beta > 0 else None,
+        loop=self._loop_state(step), heldout=heldout, wait=wait,
+        config={"run": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg)})
+    self.checkpoint_blocking_s += time.perf_counter() - t0
+    if saved:
+      self.last_checkpoint_step = step
+    return saved
+
+  def _loop_state(self, step: int) -> dict:
+    """The JSON half of a checkpoint: the cut (module docstring), the trainer-side
+    counters and everything summary.json accumulates."""
+    import jax
+    with self._lock:
+      outstanding = {gid: dict(v) for gid, v in self._outstanding.items()}
+      prompts_now = self.prompts.get_state()
+      next_gid = self._next_group_id
+      counts = collections.Counter(self.counts)
+    if self.sync and outstanding:
+      # Sync groups not yet trained all belong to the next version and were admitted in
+      # id order: cut before the first; they are generated again after a resume.
+      cut = min(outstanding)
+      prompts, lost = outstanding[cut]["prompts"], []
+      counts["groups_admitted"] -= next_gid - cut
+      counts["rollouts_generated"] -= sum(v["rollouts"] for v in outstanding.values())
+    else:
+      cut, prompts, lost = next_gid, prompts_now, sorted(outstanding)
+    train_step, skipped = jax.device_get((self.state.step, self.state.skipped))
+    sync_s, lag_s = self._carried["weight_sync_s"], self._carried["weight_sync_lag_s"]
+    return {
+        "step": step, "train_step": int(train_step), "skipped": int(skipped),
+        "version": self.version, "wall_time_s": self.clock.now(),
+        "heldout_initial": self._heldout_initial, "heldout_curve": list(self._curve),
+        "prompts": prompts, "next_group_id": cut,
+        # Every group yields group_size verifier calls, so in sync mode this is the call
+        # index the uninterrupted run reaches at the cut; in async mode it is unused yet.
+        "verifier_calls": cut * self.cfg.rl.group_size,
+        "lost_group_ids": lost, "lost_rollouts": sum(outstanding[g]["rollouts"] for g in lost),
+        "counts": dict(counts),
+        "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+        "discarded_by_version": {str(k): v for k, v in self.discarded_by_version.items()},
+        "sampler_tokens": self.sampler_tokens, "trainer_tokens": self.trainer_tokens,
+        "prompt_tokens_total": self.prompt_tokens_total,
+        "sampler_busy_s": self.sampler_busy.busy_s, "trainer_busy_s": self.trainer_busy.busy_s,
+        "weight_sync_s": [sync_s[0] + sum(self.sync_durations), sync_s[1] + len(self.sync_durations)],
+        "weight_sync_lag_s": [lag_s[0] + sum(self.sync_lags), lag_s[1] + len(self.sync_lags)],
+        "resumes": self._resumes,
+    }
+
+  def _restore(self) -> dict | None:
+    """Loads the newest usable checkpoint into the pipeline; its loop state, or None for
+    a fresh start. metrics.jsonl keeps only the rows up to the restored step."""
+    import jax
+    from rl_jax import checkpoint as checkpoint_lib
+    from rl_jax.trainer.train_step import TrainState
+    ck = self.checkpointer
+    if ck is None:
+      return None
+    if ck.latest_step() is None:
+      self._truncate_metrics(0)
+      return None
+    changed: list[str] = []
+
+    def check(saved, where):
+      changed[:] = checkpoint_lib.check_compatible(saved, self.cfg, self.model_cfg, where=where)
+
+    def warn(text):
+      print(text, file=sys.stderr, flush=True)
+
+    kl = self.cfg.trainer.kl_beta > 0
+    try:
+      r = ck.restore(
+          abstract_params=checkpoint_lib.abstract(self.state.params),
+          abstract_opt_state=checkpoint_lib.abstract(self.state.opt_state),
+          abstract_ref=(checkpoint_lib.abstract(self.state.params, self.trainer.compute_dtype)
+                        if kl else None),
+          check=check, warn=warn)
+    except checkpoint_lib.RestoreError as e:
+      raise RunError(str(e)) from None
+    loop = r.loop
+    sh = self.trainer.state_shardings
+    self.state = TrainState(
+        params=r.params, opt_state=r.opt_state,
+        step=jax.device_put(np.int32(loop["train_step"]), sh.step),
+        skipped=jax.device_put(np.int32(loop["skipped"]), sh.skipped))
+    if kl:
+      self.trainer.ref_params = r.ref_params
+    self.version = int(loop["version"])
+    self.prompts.set_state(loop["prompts"])
+    self._next_group_id = int(loop["next_group_id"])
+    # The pool draws each call's injected latency and failure from (seed, call index);
+    # continuing the index keeps sync-mode rewards identical to an uninterrupted run.
+    self.pool._submitted = int(loop["verifier_calls"])  # pylint: disable=protected-access
+    self.counts.update(loop["counts"])
+    self.staleness_hist.update({int(k): v for k, v in loop["staleness_hist"].items()})
+    self.discarded_by_version.update(
+        {int(k): v for k, v in loop["discarded_by_version"].items()})
+    self.sampler_tokens, self.trainer_tokens = loop["sampler_tokens"], loop["trainer_tokens"]
+    self.prompt_tokens_total = loop["prompt_tokens_total"]
+    self.sampler_busy.busy_s, self.trainer_busy.busy_s = (loop["sampler_busy_s"],
+                                                          loop["trainer_busy_s"])
+    self._carried = {k: list(loop[k]) for k in ("weight_sync_s", "weight_sync_lag_s")}
+    lost = len(loop["lost_group_ids"])
+    self.counts["groups_lost_on_resume"] += lost
+    self.counts["rollouts_lost_on_resume"] += loop["lost_rollouts"]
+    self._resumes = loop["resumes"] + [{"step": r.step, "groups_lost": lost,
+                                        "skipped_steps": r.skipped_steps}]
+    self.last_checkpoint_step = r.step
+    self._truncate_metrics(r.step)
+    self.console.message(
+        f"resumed from {ck.where(r.step)} (policy version {self.version}); "
+        f"{lost} groups in flight there are lost on resume")
+    if changed:
+      warn("warning: config fields changed since the checkpoint: " + "; ".join(changed))
+    return loop
+
+  def _truncate_metrics(self, step: int) -> None:
+    """Drops metrics.jsonl rows after `step` (work a crash threw away), in place: the
+    writer holds the file open for appending."""
+    path = os.path.join(self.workdir, "metrics.jsonl")
+    if not self.writer.enabled or not os.path.exists(path):
+      return
+    with open(path, "r+") as f:
+      kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+      f.seek(0)
+      f.writelines(kept)
+      f.truncate()
+
+  def _fault_metrics(self) -> dict:
+    """Verifier health and checkpoint/resume counters for the metrics row."""
+    statuses = {s: self.counts[f"verifier_{s}"] for s in ("ok", "timeout", "error")}
+    delta = {s: n - self._metric_marks[s] for s, n in statuses.items()}
+    self._metric_marks.update(delta)
+    results = sum(delta.values())
+    blocking, self.checkpoint_blocking_s = self.checkpoint_blocking_s, 0.0
+    return {
+        "verifier/error_rate": (delta["timeout"] + delta["error"]) / results if results else 0.0,
+        "verifier/timeouts_total": statuses["timeout"],
+        "verifier/errors_total": statuses["error"],
+        "data/groups_admitted": self.counts["groups_admitted"],
+        "data/groups_lost_on_resume": self.counts["groups_lost_on_resume"],
+        "checkpoint/blocking_s": blocking,
+        "checkpoint/last_step": -1 if self.last_checkpoint_step is None
+                                else self.last_checkpoint_step,
+    }
+
+  def _resume_summary(self) -> dict:
+    """summary.json fields on group accounting and resumes:
+    groups_admitted = trained + discarded_stale + lost_on_resume + in_flight_at_end."""
+    c = self.counts
+    with self._lock:
+      in_flight = len(self._outstanding)
+    means = {}
+    for key, values in (("weight_sync_s", self.sync_durations),
+                        ("weight_sync_lag_s", self.sync_lags)):
+      total, n = self._carried[key]
+      means[key + "_mean"] = (total + sum(values)) / max(n + len(values), 1)
+    return {
+        **means,
+        "groups_admitted": c["groups_admitted"],
+        "groups_trained": sum(self.staleness_hist.values()),
+        "groups_discarded_stale": c["groups_discarded_stale"],
+        "groups_lost_on_resume": c["groups_lost_on_resume"],
+        "groups_in_flight_at_end": in_flight,
+        "rollouts_lost_on_resume": c["rollouts_lost_on_resume"],
+        "rollouts_in_flight_at_end": (c["rollouts_generated"] - c["rollouts_trained"] -
+                                      c["rollouts_discarded_stale"] -
+                                      c["rollouts_lost_on_resume"]),
+        "resumes": self._resumes,
+        "last_checkpoint_step": self.last_checkpoint_step,
+    }
 
   def _step_metrics(self, step, groups, tm, heldout, dt, last_tokens) -> dict:
     with self._lock:
@@ -561,6 +905,7 @@ class Pipeline:
         "verifier_service_s": self.all_service.values,
         "prompt_tokens_mean": self.prompt_tokens_total / max(self.counts["rollouts_generated"], 1),
     }
+    summary.update(self._resume_summary())
     if self.writer.enabled:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -572,7 +917,36 @@ def run(cfg, workdir: str) -> dict:
   from rl_jax import distributed
   distributed.initialize()
   config_lib.validate(cfg)
+  from rl_jax import checkpoint as checkpoint_lib
+  checkpoint_lib.validate_config(cfg)
+  if cfg.checkpoint.every > 0:
+    try:
+      checkpoint_lib.check_workdir(cfg, workdir)
+    except checkpoint_lib.RestoreError as e:
+      raise RunError(str(e)) from None
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(cfg.to_json(indent=1))
   return Pipeline(cfg, workdir).run()
+
+
+def evaluate_params(cfg, model_cfg, params, tokenizer) -> dict:
+  """Greedy held-out evaluation of `params` (host or device arrays) with the pieces
+  Pipeline.evaluate uses: the same held-out prompts, engine, Generator.generate and
+  rl_jax.tasks.evaluate. Returns that dict (reward_mean, accuracy, n)."""
+  from rl_jax import sharding
+  from rl_jax.data import prompts as prompts_lib
+  from rl_jax.sampler.engine import Engine
+  from rl_jax.sampler.generator import Generator
+  from rl_jax.tasks import evaluate as evaluate_task
+  from rl_jax.tasks import make_task
+  meshes = sharding.make_meshes(cfg.mesh)
+  task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
+  examples = task.heldout_examples()
+  records = prompts_lib.heldout_records(task, cfg.data, tokenizer)
+  engine = Engine.from_config(cfg.sampler, model_cfg, mesh=meshes.sampler, tokenizer=tokenizer)
+  completions = Generator(engine, params).generate(
+      [r["prompt_tokens"] for r in records], greedy=True,
+      max_new_tokens=cfg.sampler.max_new_tokens)
+  texts = [tokenizer.decode(c) for c in completions]
+  return evaluate_task(task, [examples[r["index"]] for r in records], texts)

@@ -1,0 +1,114 @@
+"""Flags and problem sizes of the benchmark suite; imports no jax, so `launch/bench.py`
+can build its parser before any backend starts.
+
+FULL sizes are the issue's accelerator shapes (decode at batch 64 and 256 with a 1k
+context, train and prefill at 1k tokens); SMALL sizes (`--small`) let a CPU run the
+whole suite in a few minutes. Every size also has its own flag, which wins over both.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+# Run order. aot is opt-in (--aot, --aot-only): it only compiles, and an accelerator
+# run compiles the same programs anyway; it goes first so a program that cannot fit is
+# reported before anything runs.
+SECTIONS = ("aot", "probes", "decode", "prefill", "train", "sync", "anchor", "e2e")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  decode_batches: tuple[int, ...] = (64, 256)
+  ctx: int = 1024  # KV positions per decode slot
+  page_size: int = 64  # the anchor's page size, so gathered bytes match
+  steps_per_call: int = 16  # decode steps per generate call (the anchor's fori_loop)
+  decode_calls: int = 5  # timed generate calls per batch size
+  prefill_len: int = 1024
+  train_batch: int = 16
+  train_seq: int = 1024
+  train_steps: int = 5
+  train_warmup: int = 2
+  copy_mib: int = 1024  # bytes copied by the bandwidth probe
+  matmul_n: int = 8192  # n of the n x n x n bf16 matmul probe
+  repeats: int = 10  # timed repetitions of probes, prefill and weight sync
+  e2e_steps: int = 30
+  e2e_max_new_tokens: int = 256
+  e2e_groups_per_step: int = 16
+  e2e_group_size: int = 8
+  e2e_slots: int = 128
+  e2e_steps_per_call: int = 8
+  e2e_micro_batch: int = 16  # rows per trainer micro-batch: bounds full-vocab logits memory
+  e2e_heldout: int = 32
+
+
+FULL = Sizes()
+SMALL = Sizes(
+    decode_batches=(4, 16), ctx=64, page_size=16, steps_per_call=4, decode_calls=3,
+    prefill_len=64, train_batch=4, train_seq=64, train_steps=2, train_warmup=1, copy_mib=16,
+    matmul_n=256, repeats=3, e2e_steps=4, e2e_max_new_tokens=12, e2e_groups_per_step=4,
+    e2e_group_size=4, e2e_slots=16, e2e_steps_per_call=4, e2e_micro_batch=0, e2e_heldout=8)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(",") if x)
+
+
+def _sections(text: str) -> tuple[str, ...]:
+  names = tuple(x for x in text.split(",") if x)
+  unknown = [x for x in names if x not in SECTIONS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; sections: {SECTIONS}")
+  return names
+
+
+def add_suite_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--preset", default="qwen2_0_5b", help="model shape, random weights")
+  p.add_argument("--small", action="store_true", help="CPU-sized problems (see options.SMALL)")
+  p.add_argument("--skip", type=_sections, default=(),
+                 help=f"comma-separated sections to skip, of {','.join(SECTIONS)}")
+  p.add_argument("--aot", action="store_true",
+                 help="also compile the accelerator-shaped programs and report their memory")
+  p.add_argument("--aot-only", action="store_true", help="only the aot section")
+  p.add_argument("--out", default="", help="write the results as JSON here")
+  p.add_argument("--dtype", default="bfloat16",
+                 help="sampler weights / KV and trainer compute dtype (master params stay fp32)")
+  p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
+                 help="train section: recompute layer activations (the anchor does)")
+  p.add_argument("--peak-tflops", type=float, default=790.0,
+                 help="reference bf16 peak per device for a second MFU (DESIGN.md: H200)")
+  p.add_argument("--ref-gbps", type=float, default=4300.0,
+                 help="reference copy bandwidth for a second roofline (DESIGN.md: H200)")
+  p.add_argument("--device-gib", type=float, default=139.0,
+                 help="device memory the aot figures are compared with")
+  p.add_argument("--anchor", default="",
+                 help="path of gpu_anchor.py (default: shared/tools or ../shared/tools)")
+  p.add_argument("--e2e-config", default="configs/default.py",
+                 help="config the e2e run starts from (relative paths: the repository)")
+  p.add_argument("--workdir", default="", help="e2e workdir (default: a temporary folder)")
+  for field in dataclasses.fields(Sizes):
+    flag = "--" + field.name.replace("_", "-")
+    kind = _ints if field.name == "decode_batches" else int
+    p.add_argument(flag, type=kind, default=None,
+                   help=f"size (full {getattr(FULL, field.name)}, small {getattr(SMALL, field.name)})")
+
+
+def sizes_from_args(args: argparse.Namespace) -> Sizes:
+  base = SMALL if args.small else FULL
+  given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Sizes)
+           if getattr(args, f.name) is not None}
+  return dataclasses.replace(base, **given)
+
+
+def sections_from_args(args: argparse.Namespace) -> dict[str, str]:
+  """{section: "" to run it, else why it is skipped}, in run order."""
+  why = {}
+  for s in SECTIONS:
+    if args.aot_only:
+      why[s] = "" if s == "aot" else "--aot-only"
+    elif s in args.skip:
+      why[s] = "--skip"
+    elif s == "aot" and not args.aot:
+      why[s] = "opt-in: --aot"
+    else:
+      why[s] = ""
+  return why

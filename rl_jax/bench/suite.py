@@ -1,0 +1,261 @@
+"""The benchmark suite: every section on one device in one process, JSON, then a table.
+
+Sections run in options.SECTIONS order; each is skippable and one that fails records
+its error and lets the others run (a lost accelerator session costs more than a
+missing row). Fractions use this run's probes (copy bandwidth, bf16 matmul) and, with
+the `_ref` suffix, the reference figures given by --ref-gbps / --peak-tflops.
+
+Targets (notes/PERFORMANCE.md): decode >= 50% of the memory roofline at batch 256,
+train MFU >= 35%, weight sync >= 50% of the copy bandwidth, and no plain-JAX anchor
+figure faster than rl_jax's (every rl_jax / plain ratio >= 1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+
+import jax
+
+import rl_jax
+from rl_jax import model
+from rl_jax.bench import anchor as anchor_lib
+from rl_jax.bench import aot as aot_lib
+from rl_jax.bench import e2e as e2e_lib
+from rl_jax.bench import measure
+from rl_jax.bench import options
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(rl_jax.__file__)))
+TARGETS = dict(decode_roofline_frac=0.5, train_mfu=0.35, sync_frac_of_copy=0.5,
+               ratio_over_plain=1.0)
+
+
+class Skip(Exception):
+  """A section that cannot run here; the message says why (recorded, not an error)."""
+
+
+def _section_fns(args, sizes, model_cfg, res):
+  """name -> function filling res[name]; later sections read earlier results."""
+  mesh = measure.one_device_mesh()
+  probes = lambda: res.get("probes", {})
+  shared = {}
+
+  def aot():
+    return aot_lib.run(model_cfg, sizes, dtype=args.dtype, remat=args.remat,
+                       device_gib=args.device_gib)
+
+  def probe():
+    return dict(measure.copy_bandwidth(nbytes=sizes.copy_mib * 2 ** 20, repeats=sizes.repeats),
+                **measure.matmul_peak(n=sizes.matmul_n, repeats=sizes.repeats))
+
+  def params():
+    if "params" not in shared:
+      shared["params"] = measure.sampler_params(model_cfg, mesh, args.dtype)
+    return shared["params"]
+
+  def decode():
+    return [measure.decode(model_cfg, params(), mesh, batch=b, ctx=sizes.ctx,
+                           page_size=sizes.page_size, steps_per_call=sizes.steps_per_call,
+                           calls=sizes.decode_calls, dtype=args.dtype,
+                           copy_gbps=probes().get("copy_gbps"), ref_gbps=args.ref_gbps)
+            for b in sizes.decode_batches]
+
+  def prefill():
+    row = measure.prefill(model_cfg, params(), mesh, length=sizes.prefill_len,
+                          page_size=sizes.page_size, repeats=sizes.repeats, dtype=args.dtype,
+                          peak_tflops=probes().get("matmul_tflops"),
+                          ref_tflops=args.peak_tflops)
+    shared.clear()  # the sampler weights are not needed past here
+    return row
+
+  def train():
+    shared.clear()
+    return measure.train(model_cfg, batch=sizes.train_batch, seq=sizes.train_seq,
+                         steps=sizes.train_steps, warmup=sizes.train_warmup, dtype=args.dtype,
+                         remat=args.remat, peak_tflops=probes().get("matmul_tflops"),
+                         ref_tflops=args.peak_tflops)
+
+  def sync():
+    return measure.weight_sync(model_cfg, mesh, dtype=args.dtype, repeats=sizes.repeats,
+                               copy_gbps=probes().get("copy_gbps"))
+
+  def anchor():
+    path = anchor_lib.find(REPO_ROOT, args.anchor)
+    if path is None:
+      raise Skip(f"gpu_anchor.py not found ({args.anchor or 'shared/tools, ../shared/tools'})")
+    out = anchor_lib.run(path, model_cfg, sizes, copy_gbps=probes().get("copy_gbps"),
+                         peak_tflops=probes().get("matmul_tflops"))
+    out["ratios"] = anchor_lib.ratios(out, res)
+    return out
+
+  def e2e():
+    missing = e2e_lib.missing_modules()
+    if missing:
+      raise Skip(f"{', '.join(missing)} not installed; bring wheels as in notes/PERFORMANCE.md")
+    config = args.e2e_config
+    if not os.path.isabs(config):
+      config = os.path.join(REPO_ROOT, config)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="rl_jax_bench_e2e_")
+    return e2e_lib.run(config, workdir, preset=args.preset, dtype=args.dtype, sizes=sizes)
+
+  return dict(aot=aot, probes=probe, decode=decode, prefill=prefill, train=train, sync=sync,
+              anchor=anchor, e2e=e2e)
+
+
+def run(args) -> dict:
+  """Runs the selected sections; returns the result dict (also written to --out)."""
+  sizes = options.sizes_from_args(args)
+  plan = options.sections_from_args(args)
+  sections = [s for s, why in plan.items() if not why]
+  model_cfg = model.get_preset(args.preset)
+  device = jax.devices()[0]
+  res = dict(
+      suite="rl_jax", preset=args.preset, params=model.num_params(model_cfg),
+      dtype=args.dtype, remat=args.remat, backend=jax.default_backend(),
+      device=device.device_kind, jax=jax.__version__, python=platform.python_version(),
+      sizes={k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(sizes).items()},
+      peak_tflops_ref=args.peak_tflops, copy_gbps_ref=args.ref_gbps,
+      sections=sections, skipped={s: why for s, why in plan.items() if why},
+      errors={}, section_wall_s={}, device_peak_bytes={})
+  fns = _section_fns(args, sizes, model_cfg, res)
+  for name in sections:
+    print(f"[suite] {name} ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+      res[name] = fns[name]()
+    except Skip as e:
+      res["skipped"][name] = str(e)
+    except Exception as e:  # noqa: BLE001  (recorded; the remaining sections still run)
+      traceback.print_exc()
+      res["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    res["section_wall_s"][name] = time.perf_counter() - t0
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:  # accelerators only; the peak since the process began
+      res["device_peak_bytes"][name] = int(stats["peak_bytes_in_use"])
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1)
+  return res
+
+
+def _fmt(v) -> str:
+  if v is None or v == "":
+    return ""
+  if isinstance(v, float):
+    return f"{v:,.4g}"
+  return str(v)
+
+
+def _bytes(n: int) -> str:
+  return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.2f} MiB"
+
+
+def _same_work(frac, ms, plain_ms):
+  """The plain-JAX program's fraction under rl_jax's own FLOPs / bytes count: both do
+  the same model work, so fractions scale inversely with step time."""
+  if frac is None or not plain_ms:
+    return None
+  return frac * ms / plain_ms
+
+
+def table_rows(res: dict) -> list[tuple]:
+  """(section, measure, rl_jax, plain JAX, rl_jax / plain, target) rows."""
+  rows = []
+  anchor = res.get("anchor") or {}
+  ref = {}
+  for row in anchor.get("rows", []):
+    ref[(row["kind"], row.get("B"))] = row
+  ratios = anchor.get("ratios", {})
+
+  p = res.get("probes")
+  if p:
+    rows.append(("probes", f"copy GB/s ({p['copy_bytes'] / 2 ** 20:.0f} MiB)", p["copy_gbps"],
+                 None, None, f"ref {res['copy_gbps_ref']:g}"))
+    rows.append(("probes", f"bf16 matmul TFLOP/s (n={p['matmul_n']})", p["matmul_tflops"],
+                 None, None, f"ref {res['peak_tflops_ref']:g}"))
+  for name, m in (res.get("aot") or {}).items():
+    if "peak_bytes" in m:
+      rows.append(("aot", f"{name} peak (temp)",
+                   f"{_bytes(m['peak_bytes'])} ({_bytes(m['temp_bytes'])})",
+                   None, None, f"{m['frac_of_device']:.1%} of device"))
+  for d in res.get("decode") or []:
+    b = d["batch"]
+    dense, paged = ref.get(("decode-dense", b), {}), ref.get(("decode-paged-gather", b), {})
+    tag = f"B={b} ctx={d['ctx']}"
+    rows.append(("decode", f"{tag} tokens/s (plain: dense)", d["tokens_per_s"],
+                 dense.get("tok_s"), ratios.get(f"decode_b{b}_over_dense"), ">= 1"))
+    rows.append(("decode", f"{tag} tokens/s (plain: paged)", d["tokens_per_s"],
+                 paged.get("tok_s"), ratios.get(f"decode_b{b}_over_paged"), ">= 1"))
+    rows.append(("decode", f"{tag} step ms", d["step_ms"], dense.get("step_ms"), None, ""))
+    rows.append(("decode", f"{tag} roofline frac (plain: dense)", d.get("roofline_frac"),
+                 _same_work(d.get("roofline_frac"), d["step_ms"], dense.get("step_ms")), None,
+                 ">= 0.5" if b >= 256 else "(>= 0.5 at B=256)"))
+    rows.append(("decode", f"{tag} roofline frac (ref bw)", d.get("roofline_frac_ref"),
+                 None, None, ""))
+  pf = res.get("prefill")
+  if pf:
+    rows.append(("prefill", f"T={pf['length']} tokens/s", pf["tokens_per_s"], None, None, ""))
+    rows.append(("prefill", f"T={pf['length']} MFU", pf.get("mfu"), None, None, ""))
+  tr = res.get("train")
+  if tr:
+    tref = ref.get(("train-step-fp32-params", tr["batch"]), {})
+    tag = f"B={tr['batch']} T={tr['seq']}"
+    rows.append(("train", f"{tag} tokens/s", tr["tokens_per_s"], tref.get("tok_s"),
+                 ratios.get("train_over_anchor"), ">= 1"))
+    rows.append(("train", f"{tag} step ms", tr["step_ms_p50"], tref.get("step_ms"), None, ""))
+    rows.append(("train", f"{tag} MFU (measured peak)", tr.get("mfu"),
+                 _same_work(tr.get("mfu"), tr["step_ms_p50"], tref.get("step_ms")), None,
+                 f">= {TARGETS['train_mfu']}"))
+    rows.append(("train", f"{tag} MFU (ref peak)", tr.get("mfu_ref"), None, None, ""))
+  sy = res.get("sync")
+  if sy:
+    copy = ref.get(("param-copy-d2d", None), {})
+    rows.append(("sync", f"whole model ms ({sy['sampler_bytes'] / 2 ** 20:.0f} MiB out)",
+                 sy["ms_p50"], sy["plain_cast_ms"], None, "(plain: one jitted cast)"))
+    rows.append(("sync", "effective GB/s (plain: cast)", sy["effective_gbps"],
+                 sy["plain_cast_gbps"], sy["ratio_over_plain_cast"], ">= 1"))
+    rows.append(("sync", "effective GB/s (plain: anchor copy)", sy["effective_gbps"],
+                 copy.get("GBps"), ratios.get("sync_over_param_copy"), ">= 1"))
+    rows.append(("sync", "frac of copy bandwidth", sy.get("frac_of_copy"), None, None,
+                 f">= {TARGETS['sync_frac_of_copy']}"))
+  e = res.get("e2e")
+  if e:
+    rows.append(("e2e", f"{e['mode']} steps/hour ({e['steps']} steps)", e["steps_per_hour"],
+                 None, None, ""))
+    rows.append(("e2e", "sampler busy frac", e["sampler_busy_frac"], None, None, ""))
+    rows.append(("e2e", "trainer busy frac", e["trainer_busy_frac"], None, None, ""))
+    rows.append(("e2e", "sampler tokens/s", e["sampler_tokens_per_s"], None, None, ""))
+    rows.append(("e2e", "weight sync s (mean)", e["weight_sync_s_mean"], None, None, ""))
+  for name, why in res["skipped"].items():
+    rows.append((name, "skipped", why, None, None, ""))
+  for name, err in res["errors"].items():
+    rows.append((name, "ERROR", err, None, None, ""))
+  return rows
+
+
+def format_table(res: dict) -> str:
+  head = ("section", "measure", "rl_jax", "plain JAX", "rl/plain", "target")
+  body = [tuple(_fmt(v) for v in row) for row in table_rows(res)]
+  widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+  line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+  title = (f"rl_jax suite: {res['preset']} ({res['params'] / 1e6:.1f}M params, {res['dtype']}) "
+           f"on {res['device']} [{res['backend']}], jax {res['jax']}")
+  lines = [title, line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in body]
+  if res["device_peak_bytes"]:
+    lines.append("device peak GiB after: " + ", ".join(
+        f"{k} {v / 2 ** 30:.1f}" for k, v in res["device_peak_bytes"].items()))
+  lines.append("section wall s: " + ", ".join(
+      f"{k} {v:.1f}" for k, v in res["section_wall_s"].items()))
+  return "\n".join(lines)
+
+
+def main(args) -> int:
+  res = run(args)
+  if args.out:
+    print(f"[suite] wrote {args.out}")
+  print(format_table(res), flush=True)
+  return 1 if res["errors"] else 0

@@ -1,0 +1,376 @@
+"""Run checkpoints: everything a run needs to continue, saved with orbax.
+
+Layout: `<workdir>/checkpoints/<step>/` with one orbax item each for
+  params, opt_state  trainer master params and optax state (arrays, trainer shardings;
+                     restored onto whatever shardings the restoring run asks for)
+  ref_params         the KL reference policy, only when trainer.kl_beta > 0
+  loop               JSON: the orchestration state (policy version, train-state counters,
+                     prompt iterator state, group-id and verifier-call cursors, counters
+                     behind summary.json, held-out curve) plus `fingerprint` (below)
+  config             JSON: {"run": the run config, "model": the ModelConfig fields}
+`step` is the number of optimizer steps (Trainer.step calls) the params have taken; step 0
+is the state right after the supervised warm-up.
+
+Retention: the newest `checkpoint.keep` steps, plus with `checkpoint.keep_best` the step
+with the highest held-out reward among steps saved together with one.
+
+Atomicity: orbax writes a step under a temporary name and renames it (object stores:
+writes commit_success.txt) once every item is complete, so a step that never finished is
+invisible here and removed at the next start. Restore also recomputes
+
+  fingerprint(x) = sum over elements of x's bit pattern as an unsigned integer, mod 2**32
+
+for every array leaf and compares it with the value recorded at save time. A step that
+cannot be read or does not match is skipped with a warning in favour of the next older one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from rl_jax import config as config_lib
+
+ARRAY_ITEMS = ("params", "opt_state", "ref_params")
+# Config fields a resumed run must share with its checkpoint: they define the model's
+# shapes, the prompt stream the saved iterator state indexes into, and the sampling seeds.
+# task.heldout_size only changes the evaluation set, so it may differ.
+_MUST_MATCH = ("seed", "model.", "task.", "data.")
+_MAY_DIFFER = ("task.heldout_size",)
+
+
+class RestoreError(RuntimeError):
+  """A checkpoint that cannot be used: one sentence naming the step, file or field."""
+
+
+def directory(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def validate_config(cfg) -> None:
+  """ConfigError naming the first bad `checkpoint` field."""
+  c = cfg.checkpoint
+  for name, ok, rule in (("every", c.every >= 0, ">= 0 (0 = off)"), ("keep", c.keep >= 1, ">= 1"),
+                         ("grace_period_s", c.grace_period_s > 0, "> 0")):
+    if not ok:
+      raise config_lib.ConfigError(
+          f"config field 'checkpoint.{name}' must be {rule}; got {c[name]}")
+
+
+def model_config(cfg):
+  """The ModelConfig a run of `cfg` builds, without loading any weights."""
+  from rl_jax import model as model_lib
+  from rl_jax.model import hf_io
+  if cfg.model.path:
+    with open(os.path.join(cfg.model.path, "config.json")) as f:
+      mc = hf_io.config_from_hf(json.load(f), where=os.path.join(cfg.model.path, "config.json"))
+  else:
+    mc = model_lib.get_preset(cfg.model.preset)
+  return mc.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+
+
+def model_config_from_dict(fields: dict):
+  """ModelConfig from the `model` entry of a checkpoint's config item."""
+  from rl_jax.model import ModelConfig
+  fields = dict(fields)
+  if fields.get("rope_scaling") is not None:
+    fields["rope_scaling"] = dict(fields["rope_scaling"])
+  return ModelConfig(**fields)
+
+
+def run_config_from_dict(saved: dict):
+  """The run ConfigDict from the `run` entry of a checkpoint's config item (JSON turns
+  tuples into lists; the base tree's types are restored)."""
+  cfg = config_lib.base_config()
+
+  def fill(node, values, prefix):
+    for key, value in values.items():
+      if key not in node:
+        raise RestoreError(f"the checkpoint's config has field {prefix + key!r}, which this "
+                           "version of rl_jax does not know")
+      if hasattr(node[key], "keys"):
+        fill(node[key], value, prefix + key + ".")
+      else:
+        with node.ignore_type():
+          node[key] = tuple(value) if isinstance(node[key], tuple) else value
+
+  fill(cfg, saved, "")
+  return cfg
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, prefix + k + "."))
+    else:
+      out[prefix + k] = list(v) if isinstance(v, tuple) else v
+  return out
+
+
+def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
+  """Raises RestoreError naming the first field that makes `saved` (a checkpoint's config
+  item) unusable for `cfg`; returns "field: old -> new" for fields that changed harmlessly."""
+  ours = dataclasses.asdict(model_cfg)
+  source = (f"model.path {cfg.model.path!r}" if cfg.model.path
+            else f"model.preset {cfg.model.preset!r}")
+  for key, old in saved["model"].items():
+    new = ours.get(key)
+    if key != "remat" and _canonical(old) != _canonical(new):  # remat changes no array
+      raise RestoreError(
+          f"{where} holds a model with {key}={old!r} but this config ({source}) builds "
+          f"{key}={new!r}; resume with the checkpoint's model or use a new --workdir")
+  old_run, new_run = _flatten(saved["run"]), _flatten(cfg.to_dict())
+  changed = []
+  for key in sorted(set(old_run) | set(new_run)):
+    old, new = old_run.get(key), new_run.get(key)
+    if _canonical(old) == _canonical(new):
+      continue
+    strict = key not in _MAY_DIFFER and any(
+        key == p or (p.endswith(".") and key.startswith(p)) for p in _MUST_MATCH)
+    if strict:
+      raise RestoreError(
+          f"{where} was written with {key}={old!r} but this config has {key}={new!r}; "
+          "the saved state only continues a run with the same value (or use a new --workdir)")
+    changed.append(f"{key}: {old!r} -> {new!r}")
+  if cfg.trainer.kl_beta > 0 and not saved.get("has_ref_params", False):
+    raise RestoreError(
+        f"{where} was written with trainer.kl_beta=0 and holds no reference policy, but this "
+        f"config has trainer.kl_beta={cfg.trainer.kl_beta}; use a new --workdir")
+  return changed
+
+
+def check_workdir(cfg, workdir: str) -> None:
+  """RestoreError naming the field when the newest checkpoint in `workdir` cannot continue
+  a run of `cfg`; reads only JSON, so it runs before anything is built or compiled."""
+  if not os.path.isdir(directory(workdir)):
+    return
+  ck = Checkpointer(workdir, read_only=True)
+  try:
+    step = ck.latest_step()
+    if step is None:
+      return
+    try:
+      saved = ck.read_json(step, "config")
+      model_cfg = model_config(cfg)
+    except Exception:  # noqa: BLE001  (the full restore reports these, or falls back)
+      return
+    check_compatible(saved, cfg, model_cfg, where=ck.where(step))
+  finally:
+    ck.close()
+
+
+def _canonical(v):
+  return json.loads(json.dumps(v, default=list))
+
+
+def _leaf_fingerprint(x):
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+  return jnp.sum(jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32), dtype=jnp.uint32)
+
+
+# One call per leaf: leaves may live on different device sets (optax counters sit on one
+# device in some layouts), and each scalar result stays with its leaf.
+_device_fingerprint = jax.jit(_leaf_fingerprint)
+
+
+def fingerprint(tree) -> list[int]:
+  """Per-leaf fingerprints (module docstring) of a tree of jax or numpy arrays."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return []
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    out = []
+    for x in leaves:
+      u = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+      out.append(int(u.sum(dtype=np.uint64) % 2**32))
+    return out
+  return [int(v) for v in jax.device_get([_device_fingerprint(x) for x in leaves])]
+
+
+def abstract(tree, dtype=None):
+  """ShapeDtypeStructs (with shardings) describing `tree`, optionally with another dtype."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=x.sharding), tree)
+
+
+@dataclasses.dataclass
+class Restored:
+  step: int
+  params: Any
+  opt_state: Any
+  ref_params: Any  # None when the checkpoint holds none
+  loop: dict
+  config: dict
+  skipped_steps: list  # newer steps that could not be restored, newest first
+
+
+class Checkpointer:
+  """Saves and restores run checkpoints in `<workdir>/checkpoints` (module docstring)."""
+
+  def __init__(self, workdir: str, ckpt_cfg=None, *, read_only: bool = False):
+    self.directory = directory(workdir)
+    if read_only and not os.path.isdir(self.directory):
+      raise RestoreError(f"{workdir} has no checkpoints (no {self.directory} directory)")
+    if read_only:
+      # orbax's own read_only mode only adds warnings; a manager that never saves or
+      # cleans up changes nothing on disk either.
+      options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+    else:
+      policies = [ocp.checkpoint_managers.LatestN(n=int(ckpt_cfg.keep))]
+      if ckpt_cfg.keep_best:
+        policies.append(ocp.checkpoint_managers.BestN(
+            get_metric_fn=lambda m: m["reward/heldout"], n=1,
+            keep_checkpoints_without_metrics=False))
+      options = ocp.CheckpointManagerOptions(
+          enable_async_checkpointing=bool(ckpt_cfg.async_save), cleanup_tmp_directories=True,
+          preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+    handlers = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
+    handlers.update(loop=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler())
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=handlers)
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.steps()
+    return steps[-1] if steps else None
+
+  def where(self, step: int) -> str:
+    return f"checkpoint {os.path.join(self.directory, str(step))}"
+
+  def save(self, step: int, *, params, opt_state, ref_params, loop: dict, config: dict,
+           heldout: float | None = None, wait: bool = False) -> bool:
+    """Starts saving `step` (finished in the background unless `wait` or async_save is
+    off); False if that step already exists. The arrays are copied off the device before
+    this returns, so the caller may donate them right after."""
+    if step in self._manager.all_steps():
+      return False
+    arrays = {"params": params, "opt_state": opt_state}
+    if ref_params is not None:
+      arrays["ref_params"] = ref_params
+    # A JSON round trip copies the state now (the write may happen later, in the
+    # background) and rejects anything JSON cannot hold here rather than there.
+    loop = json.loads(json.dumps(dict(loop, fingerprint={
+        k: fingerprint(v) for k, v in arrays.items()})))
+    config = json.loads(json.dumps(config))
+    config = dict(config, has_ref_params=ref_params is not None)
+    items = {k: ocp.args.StandardSave(v) for k, v in arrays.items()}
+    items["loop"] = ocp.args.JsonSave(loop)
+    items["config"] = ocp.args.JsonSave(config)
+    metrics = None if heldout is None else {"reward/heldout": float(heldout)}
+    self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
+    if wait:
+      self._manager.wait_until_finished()
+    return True
+
+  def read_json(self, step: int, item: str) -> dict:
+    """One JSON item (`loop` or `config`) of a step."""
+    out = self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
+    return out[item]
+
+  def _candidates(self, step: int | None) -> list[int]:
+    steps = self.steps()
+    if step is not None:
+      if step not in steps:
+        raise RestoreError(f"{self.directory} has no step {step}; it has steps {steps}")
+      return [step]
+    if not steps:
+      raise RestoreError(f"{self.directory} holds no complete checkpoint")
+    return steps[::-1]
+
+  def restore(self, *, abstract_params, abstract_opt_state, abstract_ref=None,
+              step: int | None = None, check: Callable[[dict, str], None] | None = None,
+              warn: Callable[[str], None] = print) -> Restored:
+    """The newest step (or `step`) that reads back with matching fingerprints, onto the
+    shapes, dtypes and shardings of the abstract trees. `check(config_item, where)` runs
+    before a step's arrays are read and may raise RestoreError (no fallback then)."""
+    failures = []
+    for s in self._candidates(step):
+      where = self.where(s)
+      try:
+        config = self.read_json(s, "config")
+      except Exception as e:  # noqa: BLE001  (any read failure means: try the older step)
+        failures.append((s, _reason(e)))
+        continue
+      if check is not None:
+        check(config, where)
+      targets = {"params": abstract_params, "opt_state": abstract_opt_state}
+      if abstract_ref is not None:
+        targets["ref_params"] = abstract_ref
+      try:
+        items = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
+        out = self._manager.restore(s, args=ocp.args.Composite(
+            loop=ocp.args.JsonRestore(), **items))
+        loop = out["loop"]
+        for name in targets:
+          if fingerprint(out[name]) != loop["fingerprint"][name]:
+            raise RestoreError(f"the {name} arrays do not match the fingerprint saved with them")
+      except Exception as e:  # noqa: BLE001
+        _quiet_failed_reads()
+        failures.append((s, _reason(e)))
+        continue
+      for bad, reason in failures:
+        warn(f"warning: {self.where(bad)} cannot be restored ({reason}); "
+             f"using step {s} instead")
+      return Restored(step=s, params=out["params"], opt_state=out["opt_state"],
+                      ref_params=out.get("ref_params"), loop=loop, config=config,
+                      skipped_steps=[b for b, _ in failures])
+    detail = "; ".join(f"step {s}: {r}" for s, r in failures)
+    raise RestoreError(f"no checkpoint in {self.directory} can be restored ({detail})")
+
+  def restore_params(self, step: int | None = None) -> tuple[int, Any, dict]:
+    """(step, params as host numpy arrays, config item) of the newest readable step (or
+    `step`), e.g. for export; needs no trainer mesh."""
+    failures = []
+    cpu = jax.local_devices(backend="cpu")[0]
+    for s in self._candidates(step):
+      try:
+        config = self.read_json(s, "config")
+        meta = self._manager.item_metadata(s)["params"]
+        tree = getattr(meta, "tree", meta)
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                           sharding=jax.sharding.SingleDeviceSharding(cpu)),
+            tree, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+        out = self._manager.restore(s, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(target), loop=ocp.args.JsonRestore()))
+        params = jax.tree.map(np.asarray, out["params"])
+        if fingerprint(params) != out["loop"]["fingerprint"]["params"]:
+          raise RestoreError("the params arrays do not match the fingerprint saved with them")
+      except Exception as e:  # noqa: BLE001
+        _quiet_failed_reads()
+        failures.append((s, _reason(e)))
+        continue
+      for bad, reason in failures:
+        print(f"warning: {self.where(bad)} cannot be restored ({reason}); using step {s}")
+      return s, params, config
+    detail = "; ".join(f"step {s}: {r}" for s, r in failures)
+    raise RestoreError(f"no checkpoint in {self.directory} can be restored ({detail})")
+
+  def wait(self) -> None:
+    """Blocks until background saves are on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def _quiet_failed_reads() -> None:
+  # A failed tensorstore read leaves orbax's sibling read futures unretrieved, and asyncio
+  # would log each at garbage collection with a multi-kilobyte spec; the failure is already
+  # reported in one line by the caller.
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+
+def _reason(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

@@ -1,0 +1,135 @@
+"""The benchmark suite (rl_jax.bench) at tiny sizes: result keys and sane values, the
+anchor loader, the e2e config, AOT memory without allocation, and the benchmark import
+path with grain / ml_collections / TensorFlow / JetStream unavailable."""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+from rl_jax import config as config_lib
+from rl_jax import model
+from rl_jax.bench import anchor, aot, e2e, measure, options, suite
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _args(*argv):
+  p = argparse.ArgumentParser()
+  options.add_suite_args(p)
+  return p.parse_args(list(argv))
+
+
+def _skip_all_but(*keep):
+  return ",".join(s for s in options.SECTIONS if s not in keep)
+
+
+def test_suite_small_sections(tmp_path, capsys):
+  out = tmp_path / "bench.json"
+  # A 2 MiB copy stays in CPU caches like the tiny model's weights, so the fractions
+  # compare like with like.
+  args = _args("--preset", "tiny_char", "--small", "--decode-batches", "4", "--copy-mib", "2",
+               "--ctx", "32", "--page-size", "8", "--steps-per-call", "2", "--decode-calls", "2",
+               "--train-batch", "2", "--train-seq", "32",
+               "--skip", _skip_all_but("probes", "decode", "sync", "anchor"),
+               "--out", str(out))
+  assert suite.main(args) == 0
+  res = json.loads(out.read_text())
+  assert res["errors"] == {}
+  assert set(res["skipped"]) == {"aot", "prefill", "train", "e2e"}
+  assert res["probes"]["copy_gbps"] > 0 and res["probes"]["matmul_tflops"] > 0
+  (row,) = res["decode"]
+  assert row["batch"] == 4 and row["tokens_per_s"] > 0
+  assert 0 < row["roofline_frac"] <= 1.5
+  assert row["bytes_per_step"] > row["weight_bytes"] > 0
+  sync = res["sync"]
+  assert sync["sampler_bytes"] * 2 == sync["master_bytes"]  # fp32 -> bf16
+  assert sync["effective_gbps"] > 0 and sync["frac_of_copy"] > 0
+  if anchor.find(suite.REPO_ROOT) is None:
+    assert "not found" in res["skipped"]["anchor"]
+  else:
+    ratios = res["anchor"]["ratios"]
+    assert {"decode_b4_over_dense", "decode_b4_over_paged", "sync_over_param_copy"} <= set(ratios)
+    assert all(r > 0 and math.isfinite(r) for r in ratios.values())
+  printed = capsys.readouterr().out.rstrip().splitlines()
+  assert printed[-1].startswith("section wall s:")  # the table comes last
+  assert any(line.startswith("decode") and "roofline" in line for line in printed)
+
+
+def test_trainer_defaults_match_base_config():
+  from configs import base
+  assert dict(base.get_config().trainer) == measure.TRAINER_DEFAULTS
+
+
+def test_anchor_loader_runs_main_only_when_asked(tmp_path):
+  script = tmp_path / "gpu_anchor.py"
+  script.write_text(textwrap.dedent("""
+      import json, os
+      V, D, L, H, KVH, HD, F = 1, 1, 1, 1, 1, 1, 1
+      BATCHES, CTX, PAGE, TRAIN_B, TRAIN_T = [1], 1, 1, 1, 1
+      BW, PEAK = 1.0, 1.0
+      def main():
+          rows = [dict(kind="decode-dense", B=b, tok_s=10.0 * b, step_ms=1.0) for b in BATCHES]
+          rows.append(dict(kind="shapes", V=V, CTX=CTX, BW=BW))
+          json.dump(dict(nparam=V * D, rows=rows), open(os.path.join(os.environ["OUT"], "anchor.json"), "w"))
+      main()
+      """))
+  module = anchor.load(str(script))  # would raise KeyError on OUT if main() ran
+  assert module.V == 1
+  sizes = options.SMALL
+  res = anchor.run(str(script), model.get_preset("tiny_char"), sizes, copy_gbps=2.0,
+                   peak_tflops=None)
+  shapes = res["rows"][-1]
+  assert shapes["V"] == 128 and shapes["CTX"] == sizes.ctx and shapes["BW"] == 2e9
+  assert res["peak_tflops"] == 1e-12  # not overridden without a probe
+  ratios = anchor.ratios(res, {"decode": [dict(batch=4, tokens_per_s=80.0)]})
+  assert ratios == {"decode_b4_over_dense": 2.0}
+
+
+def test_e2e_config_is_valid():
+  cfg = e2e.make_config(os.path.join(ROOT, "configs", "default.py"), preset="qwen2_0_5b",
+                        dtype="bfloat16", sizes=options.FULL)
+  config_lib.validate(cfg, num_devices=1)
+  assert cfg.mesh.colocated and cfg.rl.total_steps == options.FULL.e2e_steps
+  assert len(cfg.trainer.length_buckets) == 1
+
+
+def test_aot_decode_memory_without_allocation():
+  sizes = options.SMALL
+  out = aot.decode_program(model.get_preset("tiny_char"), measure.one_device_mesh(),
+                           batch=4, sizes=sizes, dtype="float32", device_bytes=2 ** 30)
+  assert out["construct_allocated_bytes"] == 0
+  assert out["alias_bytes"] > 0  # the donated decode state is updated in place
+  assert out["peak_bytes"] >= out["argument_bytes"] > 0
+
+
+BLOCKER = textwrap.dedent("""
+    import runpy, sys
+    BLOCKED = {"grain", "ml_collections", "tensorflow", "jetstream"}
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"{name} is blocked")
+            return None
+    sys.meta_path.insert(0, Block())
+    sys.argv = ["launch/bench.py"] + sys.argv[1:]
+    runpy.run_path("launch/bench.py", run_name="__main__")
+    """)
+
+
+def test_suite_runs_without_grain_ml_collections_tensorflow_jetstream(tmp_path):
+  out = tmp_path / "bench.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+      "--xla_force_host_platform_device_count=8", "")
+  proc = subprocess.run(
+      [sys.executable, "-c", BLOCKER, "suite", "--preset", "tiny_char", "--small",
+       "--skip", _skip_all_but("sync", "e2e"), "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  res = json.loads(out.read_text())
+  assert res["errors"] == {}
+  assert res["sync"]["ms_p50"] > 0  # the suite module (every section's imports) loaded
+  assert "grain, ml_collections not installed" in res["skipped"]["e2e"]

@@ -1,0 +1,42 @@
+"""Report helpers: time to target, final reward, and the HTML page from run workdirs."""
+import json
+import os
+
+import pytest
+
+from rl_jax import report
+
+
+def _workdir(tmp_path, name, curve, hist):
+  d = tmp_path / name
+  d.mkdir()
+  summary = {"mode": name, "heldout_curve": curve, "staleness_histogram": hist,
+             "rollouts_discarded_stale": 3, "wall_time_s": curve[-1][0],
+             "timeline": {"sampler": [[0.0, 1.0], [2.0, 3.0]], "trainer": [[1.0, 2.0]]}}
+  (d / "summary.json").write_text(json.dumps(summary))
+  rows = [{"step": i, "time_s": float(i), "queue/depth": i % 3, "queue/inflight_groups": 2,
+           "lengths/p50": 4.0, "lengths/p95": 9.0, "lengths/p99": 12.0} for i in range(1, 5)]
+  (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  return str(d)
+
+
+def test_time_to_target_and_final_reward():
+  curve = [[0.0, 0, 0.2], [10.0, 10, 0.5], [20.0, 20, 0.4], [30.0, 30, 0.6]]
+  assert report.time_to_target(curve, 0.5) == 10.0
+  assert report.time_to_target(curve, 0.55) == 30.0
+  assert report.time_to_target(curve, 0.7) is None
+  assert report.final_reward(curve) == pytest.approx((0.5 + 0.4 + 0.6) / 3)
+
+
+def test_html_report_from_workdirs(tmp_path):
+  sync = _workdir(tmp_path, "sync", [[0.0, 0, 0.2], [30.0, 10, 0.5]], {"0": 40})
+  async_ = _workdir(tmp_path, "async", [[0.0, 0, 0.2], [10.0, 10, 0.5]], {"0": 10, "2": 30})
+  runs = [report.load_run(sync), report.load_run(async_)]
+  path = report.write_html(runs, str(tmp_path / "out"), headline="speedup 3.00x")
+  page = open(path).read()
+  assert "speedup 3.00x" in page and "<th>sync</th>" in page and "<th>async</th>" in page
+  for png in ("heldout_vs_time.png", "staleness_hist.png", "queue_busy.png", "lengths.png"):
+    assert os.path.getsize(tmp_path / "out" / png) > 1000
+    assert png in page
+  with pytest.raises(report.ReportError, match="summary.json does not exist"):
+    report.load_run(str(tmp_path))
