@@ -2,8 +2,8 @@
 
   python launch/bench.py train [--preset tiny_char] [--seq 256] [--batch 16] [--steps 10]
   python launch/bench.py sampler [--preset tiny_char] [--requests 1024] [--median 12]
-  python launch/bench.py suite [--preset qwen2_0_5b] [--small] [--skip e2e,...] [--aot-only]
-                               [--out results.json]
+  python launch/bench.py suite [--preset qwen2_0_5b] [--small] [--skip e2e,...]
+                               [--aot | --aot-only] [--out results.json]
 
 train and sampler print one JSON line (for tools) and a small table (for people); suite
 writes its JSON to --out and prints its table last (see notes/PERFORMANCE.md).

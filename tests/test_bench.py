@@ -73,7 +73,8 @@ def test_anchor_loader_runs_main_only_when_asked(tmp_path):
       def main():
           rows = [dict(kind="decode-dense", B=b, tok_s=10.0 * b, step_ms=1.0) for b in BATCHES]
           rows.append(dict(kind="shapes", V=V, CTX=CTX, BW=BW))
-          json.dump(dict(nparam=V * D, rows=rows), open(os.path.join(os.environ["OUT"], "anchor.json"), "w"))
+          with open(os.path.join(os.environ["OUT"], "anchor.json"), "w") as f:
+              json.dump(dict(nparam=V * D, rows=rows), f)
       main()
       """))
   module = anchor.load(str(script))  # would raise KeyError on OUT if main() ran

@@ -3,7 +3,8 @@
 The config starts from an experiment file (configs/default.py by default) and changes
 only what the preset and a single device need: the model shape and dtypes, a
 colocated 1 x 1 mesh, a KV pool that holds every slot at full length (no preemption),
-one trainer length bucket (one compilation), no warm-up or intermediate evaluation,
+one trainer length bucket (one compilation), no warm-up or intermediate evaluation, no
+TensorBoard or console output,
 and the suite's e2e sizes. Random weights rarely emit EOS, so with a real preset every
 completion runs to max_new_tokens: a fixed, worst-case decode load.
 
@@ -31,8 +32,8 @@ def missing_modules() -> list[str]:
   return missing
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
+def _round_up(n: int, m: int) -> int:
+  return -(-int(n) // m) * m
 
 
 def make_config(config_path: str, *, preset: str, dtype: str, sizes):
@@ -58,7 +59,9 @@ def make_config(config_path: str, *, preset: str, dtype: str, sizes):
   pages = pt.pages_for(s.max_prefill_length + s.max_new_tokens, s.page_size)
   s.kv_cache_bytes = (sizes.e2e_slots * pages + 1) * s.page_size * kv_bytes_per_token(
       model.get_preset(preset), dtype)
-  cfg.trainer.length_buckets = (_next_pow2(cfg.data.max_prompt_length + s.max_new_tokens),)
+  # Random weights run every completion to max_new_tokens, so one bucket just above
+  # prompt + completion wastes little padding (a power of two could waste half).
+  cfg.trainer.length_buckets = (_round_up(cfg.data.max_prompt_length + s.max_new_tokens, 64),)
   cfg.trainer.micro_batch_size = sizes.e2e_micro_batch
   cfg.warmstart.steps = 0
   cfg.rl.mode = "async"

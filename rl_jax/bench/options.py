@@ -18,6 +18,7 @@ SECTIONS = ("aot", "probes", "decode", "prefill", "train", "sync", "anchor", "e2
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
+  """Problem sizes of every section; the defaults are the accelerator (FULL) ones."""
   decode_batches: tuple[int, ...] = (64, 256)
   ctx: int = 1024  # KV positions per decode slot
   page_size: int = 64  # the anchor's page size, so gathered bytes match
@@ -88,8 +89,8 @@ def add_suite_args(p: argparse.ArgumentParser) -> None:
   for field in dataclasses.fields(Sizes):
     flag = "--" + field.name.replace("_", "-")
     kind = _ints if field.name == "decode_batches" else int
-    p.add_argument(flag, type=kind, default=None,
-                   help=f"size (full {getattr(FULL, field.name)}, small {getattr(SMALL, field.name)})")
+    full, small = getattr(FULL, field.name), getattr(SMALL, field.name)
+    p.add_argument(flag, type=kind, default=None, help=f"size (full {full}, small {small})")
 
 
 def sizes_from_args(args: argparse.Namespace) -> Sizes:
