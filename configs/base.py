@@ -16,6 +16,7 @@ def get_config(arg=None):
   c.model.path = ""  # Hugging Face checkpoint directory; overrides the preset's weights
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   c.model.param_dtype = "float32"  # trainer master params
+  c.model.remat = False  # recompute layer activations in the backward pass (less memory)
 
   c.mesh = ml_collections.ConfigDict()
   # colocated: sampler and trainer share every device (one GPU, a laptop).

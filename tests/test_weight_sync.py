@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 
 from rl_jax import model, sharding
 from rl_jax.orchestration.weight_sync import WeightSync
@@ -41,13 +42,14 @@ def test_split_transfer_is_device_to_device_and_cast():
   assert stats.bytes == 2 * n and stats.version == 1 and stats.duration_s > 0
 
 
-def test_colocated_copy_does_not_alias_donated_params():
+@pytest.mark.parametrize("sampler_dtype", ["float32", "bfloat16"])
+def test_colocated_copy_does_not_alias_donated_params(sampler_dtype):
   meshes, shapes, axes, t_sh, params = _setup(dict(
       colocated=True, sampler=dict(data=1, tensor=1), trainer=dict(data=1, fsdp=1, tensor=1)))
   ws = WeightSync(logical_axes=axes, param_shapes=shapes, trainer_shardings=t_sh,
-                  sampler_mesh=meshes.sampler, sampler_dtype="float32", colocated=True)
+                  sampler_mesh=meshes.sampler, sampler_dtype=sampler_dtype, colocated=True)
   out, _ = ws.transfer(params, 1)
-  expected = jax.tree.map(np.asarray, params)
+  expected = jax.tree.map(lambda x: np.asarray(x.astype(sampler_dtype)), params)
   # A train step donates its params: after deleting them the sampler copy must still be valid.
   donate = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.0, p), donate_argnums=0)
   # The check can fail: an aliasing copy dies with the donated params.
@@ -57,6 +59,8 @@ def test_colocated_copy_does_not_alias_donated_params():
   donate(other)
   assert all(a.is_deleted() for a in jax.tree.leaves(aliased))
   donate(params)
-  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+  for a, b, s in zip(jax.tree.leaves(out), jax.tree.leaves(expected),
+                     jax.tree.leaves(ws.sampler_shardings)):
     assert not a.is_deleted()
+    assert a.sharding == s
     np.testing.assert_array_equal(np.asarray(a), b)

@@ -47,16 +47,22 @@ class WeightSync:
         lambda s: NamedSharding(trainer_mesh, s.spec), self.sampler_shardings)
     self.colocated = colocated
     self.bytes = sum(s.size * dtype.itemsize for s in jax.tree.leaves(cast_shapes))
+    # Colocated with a dtype change, the cast itself writes fresh buffers in the sampler's
+    # layout (same devices), so one pass suffices. Without a cast, jit may hand back the
+    # input buffers, so an explicit non-aliasing copy follows.
+    self._one_pass = colocated and any(
+        s.dtype != dtype for s in jax.tree.leaves(param_shapes))
     self._stage = jax.jit(
         lambda p: jax.tree.map(lambda x: x.astype(dtype), p),
         in_shardings=(trainer_shardings,),
-        out_shardings=self.staged_shardings,
+        out_shardings=self.sampler_shardings if self._one_pass else self.staged_shardings,
     )
 
   def transfer(self, params, version: int):
     """Returns (sampler_params, SyncStats). Blocks until the copy has landed."""
     t0 = time.perf_counter()
     staged = self._stage(params)
-    moved = jax.device_put(staged, self.sampler_shardings, may_alias=False)
+    moved = staged if self._one_pass else jax.device_put(
+        staged, self.sampler_shardings, may_alias=False)
     jax.block_until_ready(moved)
     return moved, SyncStats(time.perf_counter() - t0, self.bytes, int(version))
