@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 from typing import Any, Callable
 
 import jax
@@ -41,9 +42,11 @@ from rl_jax import config as config_lib
 ARRAY_ITEMS = ("params", "opt_state", "ref_params")
 # Config fields a resumed run must share with its checkpoint: they define the model's
 # shapes, the prompt stream the saved iterator state indexes into, and the sampling seeds.
-# task.heldout_size only changes the evaluation set, so it may differ.
+# task.heldout_size only changes the evaluation set and remat only what the backward pass
+# recomputes, so they may differ.
 _MUST_MATCH = ("seed", "model.", "task.", "data.")
-_MAY_DIFFER = ("task.heldout_size",)
+_MAY_DIFFER = ("task.heldout_size", "model.remat")
+_MODEL_MAY_DIFFER = ("remat",)
 
 
 class RestoreError(RuntimeError):
@@ -73,13 +76,15 @@ def model_config(cfg):
       mc = hf_io.config_from_hf(json.load(f), where=os.path.join(cfg.model.path, "config.json"))
   else:
     mc = model_lib.get_preset(cfg.model.preset)
-  return mc.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+  return mc.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                    remat=cfg.model.remat)
 
 
 def model_config_from_dict(fields: dict):
   """ModelConfig from the `model` entry of a checkpoint's config item."""
   from rl_jax.model import ModelConfig
-  fields = dict(fields)
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  fields = {k: v for k, v in fields.items() if k in known}  # fields removed since the save
   if fields.get("rope_scaling") is not None:
     fields["rope_scaling"] = dict(fields["rope_scaling"])
   return ModelConfig(**fields)
@@ -87,21 +92,20 @@ def model_config_from_dict(fields: dict):
 
 def run_config_from_dict(saved: dict):
   """The run ConfigDict from the `run` entry of a checkpoint's config item (JSON turns
-  tuples into lists; the base tree's types are restored)."""
+  tuples into lists; the base tree's types are restored, fields it lacks keep defaults)."""
   cfg = config_lib.base_config()
 
-  def fill(node, values, prefix):
+  def fill(node, values):
     for key, value in values.items():
       if key not in node:
-        raise RestoreError(f"the checkpoint's config has field {prefix + key!r}, which this "
-                           "version of rl_jax does not know")
+        continue  # a field this version of rl_jax no longer has
       if hasattr(node[key], "keys"):
-        fill(node[key], value, prefix + key + ".")
+        fill(node[key], value)
       else:
         with node.ignore_type():
           node[key] = tuple(value) if isinstance(node[key], tuple) else value
 
-  fill(cfg, saved, "")
+  fill(cfg, saved)
   return cfg
 
 
@@ -123,13 +127,15 @@ def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
             else f"model.preset {cfg.model.preset!r}")
   for key, old in saved["model"].items():
     new = ours.get(key)
-    if key != "remat" and _canonical(old) != _canonical(new):  # remat changes no array
+    if key in ours and key not in _MODEL_MAY_DIFFER and _canonical(old) != _canonical(new):
       raise RestoreError(
           f"{where} holds a model with {key}={old!r} but this config ({source}) builds "
           f"{key}={new!r}; resume with the checkpoint's model or use a new --workdir")
   old_run, new_run = _flatten(saved["run"]), _flatten(cfg.to_dict())
   changed = []
-  for key in sorted(set(old_run) | set(new_run)):
+  # A field only one side has was added or removed by a code change in between; its
+  # value then was the behaviour of the code then, so only shared fields are compared.
+  for key in sorted(set(old_run) & set(new_run)):
     old, new = old_run.get(key), new_run.get(key)
     if _canonical(old) == _canonical(new):
       continue
@@ -351,7 +357,8 @@ class Checkpointer:
         failures.append((s, _reason(e)))
         continue
       for bad, reason in failures:
-        print(f"warning: {self.where(bad)} cannot be restored ({reason}); using step {s}")
+        print(f"warning: {self.where(bad)} cannot be restored ({reason}); using step {s}",
+              file=sys.stderr)
       return s, params, config
     detail = "; ".join(f"step {s}: {r}" for s, r in failures)
     raise RestoreError(f"no checkpoint in {self.directory} can be restored ({detail})")
@@ -365,10 +372,24 @@ class Checkpointer:
 
 
 def _quiet_failed_reads() -> None:
-  # A failed tensorstore read leaves orbax's sibling read futures unretrieved, and asyncio
-  # would log each at garbage collection with a multi-kilobyte spec; the failure is already
-  # reported in one line by the caller.
+  """Silences the echoes of a failed read, which the caller reports in one line.
+
+  When one tensorstore read fails, orbax abandons the step and closes its event loop;
+  the sibling reads then finish into the closed loop, each raising "Event loop is
+  closed" inside a tensorstore callback (printed as an unraisable exception), and
+  asyncio logs every unretrieved future with a multi-kilobyte spec.
+  """
   logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+  if getattr(sys.unraisablehook, "_rl_jax_filter", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+      previous(unraisable)
+  hook._rl_jax_filter = True  # installed once per process
+  sys.unraisablehook = hook
 
 
 def _reason(e: BaseException) -> str:

@@ -123,20 +123,29 @@ class Pipeline:
     self.workdir = workdir
     self.mode = cfg.rl.mode
     self.sync = self.mode == "sync"
-    self.meshes = sharding.make_meshes(cfg.mesh)
+    from rl_jax.orchestration import multihost
+    self.multi_process = multihost.multi_process()
+    # Multi-process: sub-meshes take devices from every process, and every process
+    # makes the same host-side decisions (rl_jax/orchestration/multihost.py).
+    self.meshes = sharding.make_meshes(
+        cfg.mesh, multihost.role_devices() if self.multi_process else None)
     if cfg.model.path:
       model_cfg, init_params = model_lib.from_pretrained(cfg.model.path)
-      model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+      model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+          remat=cfg.model.remat)
     else:
       model_cfg = model_lib.get_preset(cfg.model.preset).replace(
-          dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+          dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+          remat=cfg.model.remat)
       init_params = None
     self.model_cfg = model_cfg
     self.tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
     self.task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
+    shard = (multihost.prompt_shard() if self.multi_process
+             else (jax.process_index(), jax.process_count()))
     self.prompts = prompts_lib.make_prompt_source(
         self.task, cfg.data, self.tokenizer, seed=cfg.seed,
-        process_index=jax.process_index(), process_count=jax.process_count())
+        process_index=shard[0], process_count=shard[1])
     heldout_examples = self.task.heldout_examples()
     records = prompts_lib.heldout_records(self.task, cfg.data, self.tokenizer)
     self.heldout = [heldout_examples[r["index"]] for r in records]
@@ -156,6 +165,8 @@ class Pipeline:
         colocated=self.meshes.colocated)
     self.engine = Engine.from_config(cfg.sampler, model_cfg, mesh=self.meshes.sampler,
                                      tokenizer=self.tokenizer)
+    if self.multi_process:
+      self.engine = multihost.ReplicatedOutputs(self.engine)
     self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
                              top_p=cfg.sampler.top_p)
     # Generators are made once the first weights are published (see run()).
@@ -205,7 +216,9 @@ class Pipeline:
     # the group was drawn, "rollouts": finished so far}. Guarded by _lock with admission.
     self._outstanding: dict[int, dict] = {}
     self._resumes: list[dict] = []  # one entry per resume in this run's lineage
-    self._carried: dict[str, list[float]] = {"weight_sync_s": [0.0, 0], "weight_sync_lag_s": [0.0, 0]}
+    # [sum, count] of weight-sync durations and lags before the last resume.
+    self._carried: dict[str, list[float]] = {"weight_sync_s": [0.0, 0],
+                                             "weight_sync_lag_s": [0.0, 0]}
     self._heldout_initial: float | None = None
     self._curve: list | None = None  # the held-out curve so far; set once RL starts
     self._consistent = True  # False while a train step owns (donates) self.state
@@ -289,6 +302,7 @@ class Pipeline:
         gid = self._next_group_id
         self._next_group_id += 1
         self._outstanding[gid] = {"prompts": before, "rollouts": 0}
+        self.counts["groups_admitted"] += 1
       example = self.task.example(int(record["index"]))
       now = time.time()
       group = Group(group_id=gid, example=example,
@@ -298,7 +312,6 @@ class Pipeline:
       self.queue.admitted()
       gen.add_group(gid, group.prompt_tokens, cfg.rl.group_size,
                     seed=cfg.seed * 1_000_003 + gid)
-      self.counts["groups_admitted"] += 1
 
   def _on_rollout_finished(self, r) -> None:
     with self._lock:
@@ -401,6 +414,9 @@ class Pipeline:
       # Verifier completion order must not reach the update: summation order in the
       # loss follows the rows, and sync runs are reproducible bit for bit.
       batch.sort(key=lambda g: g.group_id)
+    if self.multi_process:
+      from rl_jax.orchestration import multihost
+      multihost.broadcast_batch(batch)
     self._batch_staleness = [g.staleness(self.version) for g in batch]
     return batch
 
@@ -461,8 +477,21 @@ class Pipeline:
       return self._run()
     finally:
       restore_sigterm()
-      if self.checkpointer is not None:
-        self.checkpointer.close()
+      self._close_checkpointer(failing=sys.exc_info()[0] is not None)
+
+  def _close_checkpointer(self, failing: bool) -> None:
+    """Waits for background saves; a failed write is a RunError unless the run is
+    already failing with another error (then it is a warning line)."""
+    if self.checkpointer is None:
+      return
+    try:
+      self.checkpointer.close()
+    except Exception as e:  # noqa: BLE001  (whatever the storage layer raises)
+      text = (f"writing a checkpoint to {self.checkpointer.directory} failed: "
+              f"{type(e).__name__}: {e}")
+      if not failing:
+        raise RunError(text) from e
+      print(f"warning: {text}", file=sys.stderr, flush=True)
 
   def _run(self) -> dict:
     cfg = self.cfg
@@ -484,9 +513,10 @@ class Pipeline:
       if resumed is None:
         self._save(step, heldout=heldout_initial)
       self.last_verified = time.time()  # verifier patience counts from the pipeline's start
-      self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler",
-                                              daemon=True)
-      self._sampler_thread.start()
+      if step < cfg.rl.total_steps:  # a resumed run may have finished already
+        self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler",
+                                                daemon=True)
+        self._sampler_thread.start()
       self._held_groups = 0  # trained but not yet published
       heldout = curve[-1][2]
       last_log_t = self.clock.now()
@@ -566,10 +596,11 @@ class Pipeline:
   def _catch_sigterm(self):
     """Routes SIGTERM to a stop at the next step boundary (see _abort); past
     checkpoint.grace_period_s the process exits without waiting for the save. Returns
-    the function that puts the previous handler back."""
+    the function that puts the previous handler back and disarms that deadline."""
     if threading.current_thread() is not threading.main_thread():
       return lambda: None  # signal handlers can only be set from the main thread
     grace = float(self.cfg.checkpoint.grace_period_s)
+    timers = []
 
     def give_up():
       sys.stderr.write(f"error: SIGTERM: the checkpoint could not be saved within "
@@ -581,20 +612,29 @@ class Pipeline:
       del signum, frame
       if not self._preempt.is_set():
         self._preempt.set()
-        timer = threading.Timer(grace, give_up)
-        timer.daemon = True
-        timer.start()
+        timers.append(threading.Timer(grace, give_up))
+        timers[0].daemon = True
+        timers[0].start()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def restore():
+      signal.signal(signal.SIGTERM, previous)
+      for timer in timers:
+        timer.cancel()
+    return restore
 
   def _abort(self, e: BaseException, step: int) -> BaseException:
     """The exception run() raises after `e` stopped training at `step` optimizer steps;
     saves the state first when it is consistent (no train step was cut short)."""
     if isinstance(e, KeyboardInterrupt):
       return e
+    save_error = ""
     if self._consistent:
-      self._save(step, wait=True)
+      try:
+        self._save(step, wait=True)
+      except Exception as err:  # noqa: BLE001  (the original failure matters more)
+        save_error = f"; saving failed: {type(err).__name__}: {err}"
     latest = self.last_checkpoint_step
     if self.checkpointer is None:
       where = "checkpointing is off (checkpoint.every=0)"
@@ -603,6 +643,7 @@ class Pipeline:
     else:
       where = (f"{'saved' if latest == step else 'the newest is'} checkpoint step {latest} in "
                f"{self.checkpointer.directory}; rerun the same command to resume")
+    where += save_error
     if isinstance(e, Preempted):
       return Preempted(f"preempted (SIGTERM) after {step} optimizer steps: {where}")
     if isinstance(e, config_lib.ConfigError):
@@ -670,7 +711,8 @@ class Pipeline:
         "sampler_tokens": self.sampler_tokens, "trainer_tokens": self.trainer_tokens,
         "prompt_tokens_total": self.prompt_tokens_total,
         "sampler_busy_s": self.sampler_busy.busy_s, "trainer_busy_s": self.trainer_busy.busy_s,
-        "weight_sync_s": [sync_s[0] + sum(self.sync_durations), sync_s[1] + len(self.sync_durations)],
+        "weight_sync_s": [sync_s[0] + sum(self.sync_durations),
+                          sync_s[1] + len(self.sync_durations)],
         "weight_sync_lag_s": [lag_s[0] + sum(self.sync_lags), lag_s[1] + len(self.sync_lags)],
         "resumes": self._resumes,
     }
@@ -743,15 +785,23 @@ class Pipeline:
     return loop
 
   def _truncate_metrics(self, step: int) -> None:
-    """Drops metrics.jsonl rows after `step` (work a crash threw away), in place: the
-    writer holds the file open for appending."""
+    """Drops metrics.jsonl rows after `step` (work a crash threw away) and the final
+    held-out row of a finished run (written again at its end), in place: the writer
+    holds the file open for appending."""
     path = os.path.join(self.workdir, "metrics.jsonl")
     if not self.writer.enabled or not os.path.exists(path):
       return
+
+    def keep(line):
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:  # the half-written last line of a killed run
+        return False
+      return row["step"] < step or (row["step"] == step and "optim/loss" in row)
     with open(path, "r+") as f:
-      kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+      kept = [line for line in f if keep(line)]
       f.seek(0)
-      f.writelines(kept)
+      f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
       f.truncate()
 
   def _fault_metrics(self) -> dict:
@@ -915,8 +965,17 @@ class Pipeline:
 def run(cfg, workdir: str) -> dict:
   """Validates `cfg`, builds the pipeline and runs it; writes `<workdir>/summary.json`."""
   from rl_jax import distributed
-  distributed.initialize()
+  try:
+    distributed.initialize()
+    distributed.check_same_config(cfg.to_json())
+  except distributed.DistributedError as e:
+    raise RunError(str(e)) from None
   config_lib.validate(cfg)
+  from rl_jax.orchestration import multihost
+  try:
+    multihost.check_supported(cfg)
+  except multihost.MultiHostError as e:
+    raise RunError(str(e)) from None
   from rl_jax import checkpoint as checkpoint_lib
   checkpoint_lib.validate_config(cfg)
   if cfg.checkpoint.every > 0:
@@ -927,7 +986,10 @@ def run(cfg, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(cfg.to_json(indent=1))
-  return Pipeline(cfg, workdir).run()
+  pipeline = Pipeline(cfg, workdir)
+  summary = pipeline.run()
+  multihost.write_digest(pipeline, summary)
+  return summary
 
 
 def evaluate_params(cfg, model_cfg, params, tokenizer) -> dict:

@@ -15,6 +15,12 @@ def prepare_host_devices(cfg) -> None:
   s = math.prod(dict(cfg.mesh.sampler).values())
   t = math.prod(dict(cfg.mesh.trainer).values())
   need = max(s, t) if cfg.mesh.colocated else s + t
+  try:
+    processes = max(int(os.environ.get("JAX_NUM_PROCESSES", "1")), 1)
+  except ValueError:
+    processes = 1
+  # Each process contributes its own host devices to the global mesh.
+  need = math.ceil(need / processes)
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={need}".strip()

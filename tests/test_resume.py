@@ -1,0 +1,266 @@
+"""Resume and fault handling of real runs: launch/train.py in subprocesses, killed with
+SIGKILL and preempted with SIGTERM at whatever step they reached, then resumed."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rl_jax import checkpoint as ck
+from rl_jax import config as config_lib
+from rl_jax import model as model_lib
+from rl_jax.orchestration import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK = ["--config.task.digits=1", "--config.task.heldout_size=16",
+        "--config.task.heldout_fraction=0.3", "--config.task.format_reward=0.5",
+        "--config.sampler.max_new_tokens=6", "--config.sampler.max_concurrent_decodes=16",
+        # The usable pool (num_pages - 1) is one group's worst case, 1 prompt page + 4
+        # samples x 2 pages: groups wait for pages before they start.
+        "--config.sampler.num_pages=10", "--config.mesh.sampler.data=1",
+        "--config.mesh.trainer.data=1"]
+TINY = ["--config", "configs/default.py", *TASK, "--config.rl.total_steps=5",
+        "--config.rl.groups_per_step=4", "--config.rl.group_size=4", "--config.rl.eval_every=2",
+        "--config.warmstart.steps=40", "--config.metrics.tensorboard=false",
+        "--config.checkpoint.every=1", "--config.checkpoint.keep=20",
+        "--config.checkpoint.grace_period_s=20",
+        # Injected failures make rewards depend on the verifier pool's call index.
+        "--config.verifier.failure_prob=0.2", "--config.verifier.retries=0"]
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  # Later runs load the first run's executables: compilation is most of a tiny run.
+  cache = str(tmp_path_factory.mktemp("jax_cache"))
+  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache,
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+class Run:
+  """One launch/train.py process; its output goes to files so pipes never fill."""
+
+  def __init__(self, env, workdir, *extra, script="launch/train.py", args=None):
+    os.makedirs(workdir, exist_ok=True)
+    n = len([f for f in os.listdir(workdir) if f.startswith("out")])
+    self.out_path = os.path.join(workdir, f"out{n}.txt")
+    self.err_path = os.path.join(workdir, f"err{n}.txt")
+    self.workdir = workdir
+    cmd = args or [*TINY, *extra, "--workdir", workdir]
+    with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+      self.proc = subprocess.Popen([sys.executable, script, *cmd], cwd=ROOT, env=env,
+                                   stdout=out, stderr=err)
+
+  @property
+  def out(self):
+    return open(self.out_path).read()
+
+  @property
+  def err(self):
+    return open(self.err_path).read()
+
+  def wait(self, timeout=TIMEOUT_S):
+    return self.proc.wait(timeout)
+
+  def wait_for_new_step(self, step):
+    """Until this process has written the metrics row of optimizer step >= `step`."""
+    deadline = time.time() + TIMEOUT_S
+    path = os.path.join(self.workdir, "metrics.jsonl")
+    while time.time() < deadline:
+      assert self.proc.poll() is None, f"exited early:\n{self.out}\n{self.err[-3000:]}"
+      resumed = re.search(r"resumed from checkpoint \S+/(\d+) ", self.out)
+      if resumed or "held-out reward at start" in self.out:
+        if any(r["step"] >= step for r in _rows(path) if "optim/loss" in r):
+          return
+      time.sleep(0.05)
+    raise AssertionError("timed out")
+
+  def resumed_step(self):
+    """The step this process resumed from (waits for its message)."""
+    deadline = time.time() + TIMEOUT_S
+    while time.time() < deadline:
+      found = re.search(r"resumed from checkpoint \S+/(\d+) ", self.out)
+      if found:
+        return int(found.group(1))
+      assert self.proc.poll() is None, f"exited early:\n{self.out}\n{self.err[-3000:]}"
+      time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def _rows(path):
+  rows = []
+  if os.path.exists(path):
+    for line in open(path).read().splitlines():
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:  # a line being written
+        pass
+  return rows
+
+
+def _params(workdir, step):
+  return jax.tree.leaves(ck.Checkpointer(workdir, read_only=True).restore_params(step)[1])
+
+
+def _corrupt(workdir, step):
+  """Flips the second half of every array data file of one step."""
+  for folder, _, files in os.walk(os.path.join(ck.directory(workdir), str(step))):
+    for name in files if os.path.basename(folder) == "d" else ():
+      with open(os.path.join(folder, name), "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2:] = bytes(b ^ 0xFF for b in data[len(data) // 2:])
+        f.seek(0)
+        f.write(data)
+
+
+def _finish(run):
+  assert run.wait() == 0, run.err[-3000:]
+  return json.load(open(os.path.join(run.workdir, "summary.json")))
+
+
+@pytest.fixture(scope="module")
+def sync_runs(env, tmp_path_factory):
+  """An uninterrupted sync run, and one SIGKILLed after step 2 and resumed."""
+  base = tmp_path_factory.mktemp("sync")
+  ref, killed = str(base / "uninterrupted"), str(base / "killed")
+  run = Run(env, killed, "--config.rl.mode=sync")
+  run.wait_for_new_step(2)
+  run.proc.kill()
+  run.wait()
+  resumed = Run(env, killed, "--config.rl.mode=sync")
+  reference = Run(env, ref, "--config.rl.mode=sync")
+  return reference, _finish(reference), resumed, _finish(resumed)
+
+
+def test_sync_resume_after_sigkill_is_bitwise_identical(sync_runs):
+  reference, ref_summary, resumed, summary = sync_runs
+  step = resumed.resumed_step()
+  assert step in (1, 2, 3), resumed.out
+  for a, b in zip(_params(reference.workdir, 5), _params(resumed.workdir, 5)):
+    np.testing.assert_array_equal(a, b)
+  # ... and learning happened, so the equality is not that of untouched params.
+  assert any(not np.array_equal(a, b) for a, b in zip(_params(reference.workdir, 0),
+                                                      _params(reference.workdir, 5)))
+  rows = {r["step"]: r for r in _rows(os.path.join(resumed.workdir, "metrics.jsonl"))
+          if "optim/loss" in r}
+  ref_rows = {r["step"]: r for r in _rows(os.path.join(reference.workdir, "metrics.jsonl"))
+              if "optim/loss" in r}
+  assert sorted(rows) == [1, 2, 3, 4, 5]  # rows of the killed attempt past the cut are gone
+  assert [rows[s]["optim/loss"] for s in rows] == [ref_rows[s]["optim/loss"] for s in rows]
+  assert summary["resumes"] == [{"step": step, "groups_lost": 0, "skipped_steps": []}]
+  assert summary["groups_trained"] == ref_summary["groups_trained"] == 20
+  assert summary["groups_lost_on_resume"] == 0
+  assert summary["heldout_reward_final"] == ref_summary["heldout_reward_final"]
+  assert [p[1:] for p in summary["heldout_curve"]] == [p[1:] for p in ref_summary["heldout_curve"]]
+  # Faults surfaced as metrics: injected verifier failures; the tiny KV pool is respected.
+  assert any(r["verifier/error_rate"] > 0 for r in ref_rows.values())
+  assert max(r["sampler/kv_pages_used"] for r in ref_rows.values()) <= 9
+
+
+def test_export_and_evaluate_reproduce_the_final_heldout_reward(sync_runs, env, tmp_path):
+  reference, ref_summary, _, _ = sync_runs
+  hf = str(tmp_path / "hf")
+  export = Run(env, str(tmp_path / "logs"), script="launch/export.py",
+               args=["--workdir", reference.workdir, "--out", hf])
+  assert export.wait() == 0, export.err
+  _, params = model_lib.from_pretrained(hf)
+  for a, b in zip(jax.tree.leaves(params), _params(reference.workdir, 5)):
+    np.testing.assert_array_equal(a, b)
+  evals = [Run(env, str(tmp_path / "logs"), script="launch/evaluate.py",
+               args=["--workdir", reference.workdir]),
+           Run(env, str(tmp_path / "logs"), script="launch/evaluate.py",
+               args=["--hf", hf, "--config", "configs/default.py", *TASK])]
+  for run in evals:
+    assert run.wait() == 0, run.err[-3000:]
+    reward = float(re.search(r"held-out reward ([0-9.]+)", run.out).group(1))
+    assert abs(reward - ref_summary["heldout_reward_final"]) < 1e-4, run.out
+
+
+@pytest.mark.parametrize("override, field", [("--config.model.preset=qwen2_0_5b", "vocab_size"),
+                                             ("--config.seed=3", "seed")])
+def test_incompatible_config_is_one_clear_error(sync_runs, env, override, field):
+  reference = sync_runs[0]
+  run = Run(env, reference.workdir, "--config.rl.mode=sync", override)
+  assert run.wait() == 1
+  lines = run.err.strip().splitlines()
+  assert lines[-1].startswith("error: checkpoint ") and field in lines[-1], run.err
+  assert "Traceback" not in run.err
+
+
+def test_async_kill_preempt_and_corruption_lose_only_in_flight_groups(env, tmp_path):
+  workdir = str(tmp_path)
+  extra = ("--config.rl.mode=async", "--config.rl.total_steps=6")
+  run = Run(env, workdir, *extra)
+  run.wait_for_new_step(2)
+  run.proc.kill()
+  run.wait()
+  run = Run(env, workdir, *extra)
+  first = run.resumed_step()
+  run.wait_for_new_step(first + 1)
+  t0 = time.time()
+  run.proc.send_signal(signal.SIGTERM)
+  assert run.wait() == 0, run.err[-3000:]
+  assert time.time() - t0 < 20  # checkpoint.grace_period_s
+  stopped = int(re.search(r"preempted \(SIGTERM\) after (\d+) optimizer steps: saved checkpoint "
+                          r"step (\d+)", run.out).group(2))
+  checkpointer = ck.Checkpointer(workdir, read_only=True)
+  assert checkpointer.latest_step() == stopped > first
+  # The newest checkpoint rots on disk: the next start restores the one before it.
+  _corrupt(workdir, stopped)
+  run = Run(env, workdir, *extra)
+  summary = _finish(run)
+  assert f"checkpoints/{stopped} cannot be restored" in run.err
+  assert run.resumed_step() == stopped - 1
+  resumes = summary["resumes"]
+  assert [r["step"] for r in resumes] == [first, stopped - 1]
+  assert resumes[1]["skipped_steps"] == [stopped]
+  lost = 0
+  for r in resumes:
+    state = checkpointer.read_json(r["step"], "loop")
+    assert r["groups_lost"] == len(state["lost_group_ids"])
+    assert all(g < state["next_group_id"] for g in state["lost_group_ids"])
+    # One process reads one prompt per group id: a resumed run continues the prompt
+    # stream exactly where group ids continue, so no prompt is drawn twice.
+    assert state["prompts"]["iterator"]["next_index"] == state["next_group_id"]
+    lost += r["groups_lost"]
+  assert lost > 0 and summary["groups_lost_on_resume"] == lost
+  assert f"{lost} groups lost on resume" in run.out
+  assert summary["groups_trained"] == 6 * 4
+  assert summary["groups_admitted"] == (summary["groups_trained"] +
+                                        summary["groups_discarded_stale"] + lost +
+                                        summary["groups_in_flight_at_end"])
+  assert summary["rollouts_in_flight_at_end"] >= 0
+
+
+def test_worker_failure_saves_and_stops_every_thread(tmp_path, monkeypatch):
+  """A verifier callback that raises stops the run at once (the pool would only log
+  it), after saving the consistent state; one line for the user, the traceback on disk."""
+  cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
+                                  "--config.metrics.console=false"])
+  config_lib.validate(cfg)
+  calls = {"n": 0}
+  original = loop.Pipeline._record_verified
+
+  def failing(self, key, result):
+    calls["n"] += 1
+    if calls["n"] > 40:
+      raise KeyError("verifier exploded")
+    return original(self, key, result)
+  monkeypatch.setattr(loop.Pipeline, "_record_verified", failing)
+  with pytest.raises(loop.RunError) as info:
+    loop.Pipeline(cfg, str(tmp_path)).run()
+  # Not the verifier-patience error a swallowed exception would end in.
+  message = str(info.value)
+  assert message.startswith("a worker thread failed: KeyError: 'verifier exploded'")
+  step = int(re.search(r"saved checkpoint step (\d+)", message).group(1))
+  assert ck.Checkpointer(str(tmp_path), read_only=True).latest_step() == step
+  assert "verifier exploded" in open(tmp_path / "error.log").read()
+  assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]
