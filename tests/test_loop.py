@@ -96,8 +96,9 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path):
       assert pipe._published_at[int(v)] <= r.finished
 
 
-def test_sync_trains_only_on_policy(tmp_path):
-  cfg = make_cfg("--config.rl.mode=sync")
+@pytest.mark.parametrize("sync_every", [1, 2])
+def test_sync_trains_only_on_policy(tmp_path, sync_every):
+  cfg = make_cfg("--config.rl.mode=sync", f"--config.rl.weight_sync_every={sync_every}")
   pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
   check_common(pipe, summary, rollouts, tmp_path, max_staleness=0)
   assert set(summary["staleness_histogram"]) == {"0"}
@@ -109,8 +110,8 @@ def test_sync_trains_only_on_policy(tmp_path):
   by_version = {}
   for v, gid, s in pipe.trained_log:
     by_version.setdefault(v, []).append(gid)
-  assert sorted(by_version) == list(range(cfg.rl.total_steps))
-  assert all(len(g) == cfg.rl.groups_per_step for g in by_version.values())
+  assert sorted(by_version) == list(range(cfg.rl.total_steps // sync_every))
+  assert all(len(g) == sync_every * cfg.rl.groups_per_step for g in by_version.values())
 
 
 def test_verifier_outage_is_a_clear_error_not_a_hang(tmp_path):

@@ -189,7 +189,8 @@ class Pipeline:
     self._pause = threading.Event()
     self._paused = threading.Event()
     self._error: BaseException | None = None
-    self._admitted_for_version: collections.Counter = collections.Counter()
+    self._steps_done = 0  # optimizer steps completed (read by the sampler thread)
+    self._sync_admitted = 0  # groups admitted so far in sync mode
     self._groups: dict[int, Group] = {}
     self._next_group_id = 0
     self.clock = _Clock()
@@ -289,11 +290,12 @@ class Pipeline:
     gen = self.generator
     while gen.has_capacity() and self.queue.can_admit():
       if self.sync:
-        # The barrier: a version gets exactly groups_per_step groups.
-        v = gen.version
-        if self._admitted_for_version[v] >= cfg.rl.groups_per_step or v != self.version:
+        # The barrier: one batch of groups_per_step groups per optimizer step, admitted
+        # only once the previous step is done and its weights (if published) are in use.
+        if (self._sync_admitted >= (self._steps_done + 1) * cfg.rl.groups_per_step
+            or gen.version != self.version):
           return
-        self._admitted_for_version[v] += 1
+        self._sync_admitted += 1
       with self._lock:
         # One critical section, so a checkpoint sees the iterator, the id cursor and the
         # outstanding groups of a single moment.
@@ -497,6 +499,8 @@ class Pipeline:
     cfg = self.cfg
     resumed = self._restore()
     step = 0 if resumed is None else resumed["step"]
+    self._steps_done = step
+    self._sync_admitted = step * cfg.rl.groups_per_step
     try:
       if resumed is None:
         self.warmstart()
@@ -540,10 +544,13 @@ class Pipeline:
         if step % cfg.rl.weight_sync_every == 0:
           self.version += 1
           self._publish(self.state.params, self.version)
-          self.queue.release(self._held_groups + len(groups))
+        # Async releases trained groups from the admission count only once their version
+        # is published; sync trains every batch at the version that generated it.
+        self._held_groups += len(groups)
+        if self.sync or step % cfg.rl.weight_sync_every == 0:
+          self.queue.release(self._held_groups)
           self._held_groups = 0
-        else:
-          self._held_groups += len(groups)
+        self._steps_done = step
         self._consistent = True
         self.trainer_busy.add(t0, self.clock.now())
         evaluated = False
