@@ -77,6 +77,9 @@ class TrainerModel:
   fixed_s: float
   tokens_per_s_per_device: float
   scaling_efficiency: float = 0.9
+  # XLA compiles the train step once per new batch shape (length bucket): the first
+  # step at a shape takes this much longer (fitted from a pilot; 0 for priors).
+  compile_s: float = 0.0
 
   def effective_devices(self, devices: int) -> float:
     return 1.0 + self.scaling_efficiency * (devices - 1)

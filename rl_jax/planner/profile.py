@@ -12,7 +12,8 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             k_i = its increase * sampler.steps_per_call, step_i = busy_i / k_i,
             active_i = tokens_i / k_i (tokens_i = sampler/tokens_per_s * dt_i),
             then non-negative least squares of step_i on [1, active_i / R,
-            active_i * context_i / R], kept when it explains 20% more than a constant.
+            active_i * context_i / R], weighted by k_i (so the fit keeps the total busy
+            seconds), kept when it explains 20% more than a constant.
             Without decode steps the active count is unknown, so a constant step time is
             calibrated instead: simulate the pilot and rescale until the simulated sampler
             busy time matches the observed one.
@@ -20,7 +21,10 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             trainer/step_time_s * steps); non-negative least squares of train_i on
             [steps_i, padded_tokens_i] gives fixed_s and 1 / rate; padded tokens are
             trainer/padded_tokens when logged, else rows x bucket(prompt + lengths/p99).
-            The rate is divided by D_eff of the pilot's trainer devices.
+            The rate is divided by D_eff of the pilot's trainer devices. Rows at a batch
+            shape (padded tokens per step) not seen in any earlier row hold that shape's
+            XLA compilation: they are left out, and their mean excess over the fitted
+            step time is compile_s, which the simulation charges once per new shape.
   lengths   summary completion_lengths when present (empirical), else a lognormal:
             median = mean of lengths/p50, sigma = ln(p90 / p50) / 1.2816, or from the
             truncation rate when p90 sits at the cap; drift = exp(slope) - 1 of
@@ -276,7 +280,16 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
   cfg = pilot.cfg
   base, win = window(pilot.rows)
   batch = cfg.rl.groups_per_step * cfg.rl.group_size
-  prev, a, y = base, [], []
+  # A row whose per-step padded tokens (the batch shape) were never seen before holds
+  # the XLA compilation of that shape: it is left out of the fit and sets compile_s.
+  seen, first = set(), set()
+  for p, r in zip([{"step": 0}] + pilot.rows[:-1], pilot.rows):
+    if "trainer/padded_tokens" in r and r["step"] > p["step"]:
+      shape = r["trainer/padded_tokens"] / (r["step"] - p["step"])
+      if shape not in seen:
+        seen.add(shape)
+        first.add(r["step"])
+  prev, a, y, compile_rows = base, [], [], []
   for row in win:
     steps = row["step"] - prev["step"]
     if "trainer/step_time_s" in row:
@@ -290,9 +303,16 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
     else:
       longest = prompt_tokens + row.get("lengths/p99", cfg.sampler.max_new_tokens)
       tokens = steps * batch * pick_bucket(int(math.ceil(longest)), cfg.trainer.length_buckets)
-    a.append([steps, tokens])
-    y.append(max(train, 0.0))
+    if row["step"] in first:
+      compile_rows.append((steps, tokens, max(train, 0.0)))
+    else:
+      a.append([steps, tokens])
+      y.append(max(train, 0.0))
     prev = row
+  if len(y) < 2:  # too few rows without a compilation: keep them all
+    a += [[st, tok] for st, tok, _ in compile_rows]
+    y += [t for _, _, t in compile_rows]
+    compile_rows = []
   a, y = np.asarray(a, np.float64), np.asarray(y, np.float64)
   if not np.sum(y) > 0:
     raise ProfileError(f"{pilot.workdir}/metrics.jsonl shows no trainer busy time "
@@ -306,8 +326,15 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
     inv_rate, fixed = float(np.sum(y) / np.sum(a[:, 1])), 0.0
     notes.append("trainer: step time not separable into fixed + per-token; all per-token")
   eff = 1.0 + scaling_efficiency * (trainer_devices - 1)
+  compile_s = 0.0
+  if compile_rows:
+    # Excess of the rows that compiled over the fitted step time (one compile each).
+    compile_s = float(np.mean([max(t - (st * fixed + tok * inv_rate), 0.0)
+                               for st, tok, t in compile_rows]))
+    notes.append(f"trainer: {len(compile_rows)} step(s) at a new batch shape left out of the "
+                 f"fit; compilation {compile_s:.3g}s per new shape")
   return TrainerModel(fixed_s=float(fixed), tokens_per_s_per_device=1.0 / (inv_rate * eff),
-                      scaling_efficiency=scaling_efficiency)
+                      scaling_efficiency=scaling_efficiency, compile_s=compile_s)
 
 
 def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel,
@@ -318,7 +345,7 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
     return None
   spc = int(pilot.cfg.sampler.steps_per_call)
   mean_len = float(np.mean(lengths.sample(np.random.default_rng(0), 4096)))
-  prev, a, y = base, [], []
+  prev, a, y, w = base, [], [], []
   for row in win:
     steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * spc
     busy = _busy_s(row, "sampler/busy_frac") - _busy_s(prev, "sampler/busy_frac")
@@ -330,13 +357,16 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
     ctx = row.get("sampler/mean_context", prompt_tokens + mean_len / 2)
     a.append([1.0, active / replicas, active * ctx / replicas])
     y.append(busy / steps)
+    w.append(steps)
   if len(y) < 3:
     return None
-  a, y = np.asarray(a), np.asarray(y)
-  const = float(np.mean(y))
-  x = nnls(a, y)
-  sse_const = float(np.sum((y - const) ** 2))
-  sse_fit = float(np.sum((a @ x - y) ** 2))
+  # Weighted by decode steps: the fit must reproduce total busy seconds (a row of few
+  # steps, e.g. one interrupted by a pause, says little about the step time).
+  a, y, sw = np.asarray(a), np.asarray(y), np.sqrt(np.asarray(w, np.float64))
+  const = float(np.sum(sw * sw * y) / np.sum(sw * sw))
+  x = nnls(a * sw[:, None], y * sw)
+  sse_const = float(np.sum((sw * (y - const)) ** 2))
+  sse_fit = float(np.sum((sw * (a @ x - y)) ** 2))
   if sse_const > 0 and sse_fit <= 0.8 * sse_const:
     notes.append(f"sampler: step = {x[0]:.3g} + {x[1]:.3g} n/R + {x[2]:.3g} ctx/R s")
     return SamplerModel(base_s=float(x[0]), per_seq_s=float(x[1]), per_ctx_token_s=float(x[2]))

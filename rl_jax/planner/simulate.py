@@ -5,7 +5,10 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
 
   admission   the sampler admits a group (G sequences) at a generate-call boundary while
               its slots have room (active + pending < slots) and the queue allows it:
-              in-flight + queued + 1 <= min(max_inflight_groups, queue_maxsize).
+              in-flight + queued + 1 <= queue_maxsize and in-flight + queued + held + 1
+              <= max_inflight_groups, where held counts the groups the trainer has
+              dequeued and not yet released: accepted groups stay held until their step is
+              trained and (async) its version published, as RolloutQueue.held in loop.py.
               sync: only groups_per_step groups per policy version, and only once the
               sampler holds the trainer's current version (the barrier).
   sampling    continuous batching: sequences start when a slot frees, each decode step
@@ -29,7 +32,8 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               trainer_version - min version > bound (bound 0 in sync), trains on
               groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then
               every weight_sync_every steps bumps the version and publishes for
-              weight_sync_s (trainer busy throughout).
+              weight_sync_s (trainer busy throughout). The first step at each padded
+              batch shape also pays TrainerModel.compile_s (XLA compiles per shape).
   colocated   one device set: a full batch starts training at the sampler's next step
               boundary, and the sampler stays paused while the trainer trains and publishes.
 
@@ -237,6 +241,10 @@ class _Sim:
     self.next_gid = 0
     self.inflight = 0
     self.queue: collections.deque = collections.deque()
+    # Dequeued by the trainer and not yet released (RolloutQueue.held): they count
+    # against max_inflight_groups until their step is trained and, in async mode, its
+    # version published.
+    self.trainer_held = 0
     # Trainer state.
     self.version = 0
     self.step = 0
@@ -269,6 +277,7 @@ class _Sim:
     self.row_service_s: list[float] = []
     self.row_latency_s: list[float] = []
     self.decode_steps = 0
+    self.shapes: set[int] = set()  # train-step batch shapes compiled so far
 
   # -- sampler ---------------------------------------------------------------------
 
@@ -284,7 +293,7 @@ class _Sim:
     if len(self.rem) + len(self.pending) >= sc.decode_slots:
       return False
     outstanding = self.inflight + len(self.queue) + 1
-    if outstanding > self.max_inflight or outstanding > sc.queue_maxsize:
+    if outstanding + self.trainer_held > self.max_inflight or outstanding > sc.queue_maxsize:
       return False
     if self.pending_version is not None and not sc.inflight_weight_updates:
       return False  # draining for a weight swap
@@ -421,6 +430,7 @@ class _Sim:
         self.discarded_groups += 1
         continue
       self.accepted_groups += 1
+      self.trainer_held += 1
       self.hist[staleness] += 1
       self.age_total_s += now - group.admitted
       self.batch.append(group)
@@ -445,7 +455,11 @@ class _Sim:
     self.trainer_tokens += tokens
     self.trained += sc.groups_per_step * sc.group_size
     self.train_start = now
-    self.events.push(now + sc.trainer.step_s(tokens=tokens, devices=sc.trainer_devices), "trained")
+    step_s = sc.trainer.step_s(tokens=tokens, devices=sc.trainer_devices)
+    if tokens not in self.shapes:  # the first step at a batch shape compiles it
+      self.shapes.add(tokens)
+      step_s += sc.trainer.compile_s
+    self.events.push(now + step_s, "trained")
 
   def _trained(self, now: float) -> None:
     sc = self.sc
@@ -463,6 +477,8 @@ class _Sim:
     self.sync_busy_s += published_s
     if self.step % self.sc.weight_sync_every == 0:
       self.pending_version = self.version
+    if self.sync or self.step % self.sc.weight_sync_every == 0:
+      self.trainer_held = 0  # loop.py releases them to admission here
     self._write_row(now, published_s)
     self.batch, self.batch_staleness = [], []
     if self.step >= self.sc.num_steps:
@@ -470,9 +486,7 @@ class _Sim:
       return
     if self.held:
       self.held = False
-      self._poke(now)
-    elif self.pending_version is not None:
-      self._poke(now)
+    self._poke(now)  # new weights, or admission room released
     self._pull(now)
 
   def _write_row(self, now: float, published_s: float) -> None:
