@@ -16,10 +16,7 @@ from rl_jax import config as config_lib  # noqa: E402  (imports no jax)
 
 
 def main(argv):
-  try:
-    cfg, rest = config_lib.parse_args(argv, default_config=None)
-  except config_lib.ConfigError as e:
-    sys.exit(f"error: {e}")
+  cfg, rest = config_lib.parse_args_or_exit(argv)
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--workdir", default="runs/default")
   args = parser.parse_args(rest)

@@ -185,6 +185,14 @@ def parse_args(argv: Sequence[str], default_config: str | None = None):
   return cfg, rest
 
 
+def parse_args_or_exit(argv: Sequence[str]):
+  """parse_args for launch scripts: a user mistake exits with one `error:` line."""
+  try:
+    return parse_args(argv)
+  except ConfigError as e:
+    sys.exit(f"error: {e}")
+
+
 def _require(cond: bool, msg: str) -> None:
   if not cond:
     raise ConfigError(msg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rl_jax.tasks import answers
-from rl_jax.tasks.base import (Example, ProceduralTask, Reward, TaskError, make_reward,
+from rl_jax.tasks.base import (Example, ProceduralTask, Reward, make_reward,
                                prompt_uid, register_task)
 
 ARITHMETIC_OPERATORS = "+-*"
@@ -35,15 +35,8 @@ class ArithmeticTask(ProceduralTask):
 
   def __init__(self, *, digits: int, num_terms: int, operators: str, **kwargs):
     super().__init__(**kwargs)
-    if int(digits) < 1:
-      raise TaskError(f"task.digits must be >= 1, got {digits}.")
-    if int(num_terms) < 2:
-      raise TaskError(f"task.num_terms must be >= 2, got {num_terms}.")
-    if not operators or set(operators) - set(ARITHMETIC_OPERATORS):
-      raise TaskError(f"task.operators must be a non-empty string of characters from "
-                      f"{ARITHMETIC_OPERATORS!r}, got {operators!r}.")
-    self.digits, self.num_terms = int(digits), int(num_terms)
-    self.operators = "".join(sorted(set(operators)))
+    self._set_shape(digits=digits, num_terms=num_terms, operators=operators,
+                    allowed=ARITHMETIC_OPERATORS)
 
   def _generate(self, rng: np.random.Generator) -> Example:
     terms = [int(t) for t in rng.integers(0, 10**self.digits, size=self.num_terms)]

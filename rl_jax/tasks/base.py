@@ -176,6 +176,18 @@ class ProceduralTask(abc.ABC):
     self.heldout_fraction = float(heldout_fraction)
     self._heldout: list[Example] | None = None
 
+  def _set_shape(self, *, digits, num_terms, operators: str, allowed: str) -> None:
+    """Validates and stores task.digits, task.num_terms and task.operators."""
+    if int(digits) < 1:
+      raise TaskError(f"task.digits must be >= 1, got {digits}.")
+    if int(num_terms) < 2:
+      raise TaskError(f"task.num_terms must be >= 2, got {num_terms}.")
+    if not operators or set(operators) - set(allowed):
+      raise TaskError(f"task.operators must be a non-empty string of characters from "
+                      f"{allowed!r} for {self.name}, got {operators!r}.")
+    self.digits, self.num_terms = int(digits), int(num_terms)
+    self.operators = "".join(sorted(set(operators)))
+
   @abc.abstractmethod
   def _generate(self, rng: np.random.Generator) -> Example:
     """One example drawn from `rng` (subclasses define the task's distribution)."""

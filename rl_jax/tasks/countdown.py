@@ -146,18 +146,11 @@ class CountdownTask(ProceduralTask):
 
   def __init__(self, *, digits: int, num_terms: int, operators: str, **kwargs):
     super().__init__(**kwargs)
-    if int(digits) < 1:
-      raise TaskError(f"task.digits must be >= 1, got {digits}.")
-    if int(num_terms) < 2:
-      raise TaskError(f"task.num_terms must be >= 2, got {num_terms}.")
-    if not operators or set(operators) - set(COUNTDOWN_OPERATORS):
-      raise TaskError(f"task.operators must be a non-empty string of characters from "
-                      f"{COUNTDOWN_OPERATORS!r} for countdown, got {operators!r}.")
+    self._set_shape(digits=digits, num_terms=num_terms, operators=operators,
+                    allowed=COUNTDOWN_OPERATORS)
     if set(operators) == {"/"}:
       raise TaskError("task.operators='/' alone rarely gives integer targets; "
                       "add '+', '-' or '*'.")
-    self.digits, self.num_terms = int(digits), int(num_terms)
-    self.operators = "".join(sorted(set(operators)))
 
   def _generate(self, rng: np.random.Generator) -> Example:
     numbers = [int(n) for n in rng.integers(1, 10**self.digits, size=self.num_terms)]
