@@ -53,13 +53,4 @@ class ArithmeticTask(ProceduralTask):
                        parsed=answers.preview(got))
 
 
-def _from_config(task_cfg, *, seed: int, on_bad_line: str) -> ArithmeticTask:
-  del on_bad_line
-  return ArithmeticTask(digits=task_cfg.digits, num_terms=task_cfg.num_terms,
-                        operators=task_cfg.operators, seed=seed,
-                        format_reward=task_cfg.format_reward,
-                        heldout_size=task_cfg.heldout_size,
-                        heldout_fraction=task_cfg.heldout_fraction)
-
-
-register_task(ArithmeticTask.name, _from_config)
+register_task(ArithmeticTask.name, ArithmeticTask.from_config)

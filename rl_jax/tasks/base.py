@@ -176,6 +176,15 @@ class ProceduralTask(abc.ABC):
     self.heldout_fraction = float(heldout_fraction)
     self._heldout: list[Example] | None = None
 
+  @classmethod
+  def from_config(cls, task_cfg, *, seed: int, on_bad_line: str):
+    """Registry factory for procedural tasks shaped by task.digits/num_terms/operators."""
+    del on_bad_line  # procedural tasks read no file
+    return cls(digits=task_cfg.digits, num_terms=task_cfg.num_terms,
+               operators=task_cfg.operators, seed=seed,
+               format_reward=task_cfg.format_reward, heldout_size=task_cfg.heldout_size,
+               heldout_fraction=task_cfg.heldout_fraction)
+
   def _set_shape(self, *, digits, num_terms, operators: str, allowed: str) -> None:
     """Validates and stores task.digits, task.num_terms and task.operators."""
     if int(digits) < 1:

@@ -192,13 +192,4 @@ class CountdownTask(ProceduralTask):
     return example.meta["solution"]
 
 
-def _from_config(task_cfg, *, seed: int, on_bad_line: str) -> CountdownTask:
-  del on_bad_line
-  return CountdownTask(digits=task_cfg.digits, num_terms=task_cfg.num_terms,
-                       operators=task_cfg.operators, seed=seed,
-                       format_reward=task_cfg.format_reward,
-                       heldout_size=task_cfg.heldout_size,
-                       heldout_fraction=task_cfg.heldout_fraction)
-
-
-register_task(CountdownTask.name, _from_config)
+register_task(CountdownTask.name, CountdownTask.from_config)
