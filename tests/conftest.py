@@ -11,3 +11,44 @@ import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 assert jax.device_count() == 8, f"tests need 8 CPU devices, got {jax.device_count()}"
+
+# --- memory watchdog -----------------------------------------------------------------
+# CI machines have 24 GiB and no swap; a runaway test would be SIGKILLed by the kernel with
+# no word of which test it was. The watchdog reports the test and every thread's stack
+# when this process passes RL_JAX_TEST_RSS_GIB (default 12) and fails the run instead.
+import faulthandler  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+_CURRENT = {"test": "(collection)"}
+
+
+def _rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _watchdog(config, limit: int) -> None:
+  capman = config.pluginmanager.getplugin("capturemanager")
+  while True:
+    time.sleep(0.5)
+    rss = _rss_bytes()
+    if rss > limit:
+      with capman.global_and_fixture_disabled():
+        sys.stderr.write(f"\nconftest watchdog: RSS {rss / 2**30:.1f} GiB > "
+                         f"{limit / 2**30:.0f} GiB during {_CURRENT['test']}; thread stacks:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+      os._exit(70)
+
+
+def pytest_configure(config):
+  if os.path.exists("/proc/self/statm"):
+    limit = int(float(os.environ.get("RL_JAX_TEST_RSS_GIB", "12")) * 2**30)
+    threading.Thread(target=_watchdog, args=(config, limit), daemon=True,
+                     name="rss-watchdog").start()
+
+
+def pytest_runtest_logstart(nodeid, location):
+  del location
+  _CURRENT["test"] = nodeid

@@ -64,3 +64,39 @@ def test_colocated_copy_does_not_alias_donated_params(sampler_dtype):
     assert not a.is_deleted()
     assert a.sharding == s
     np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("sampler,trainer", [
+    (dict(data=2, tensor=2), dict(data=1, fsdp=2, tensor=2)),  # equal shards: plain copies
+    (dict(data=1, tensor=4), dict(data=2, fsdp=1, tensor=2)),  # trainer halves -> quarters
+    (dict(data=4, tensor=1), dict(data=1, fsdp=4, tensor=1)),  # replicated sampler
+])
+def test_process_local_copy_matches_device_put(sampler, trainer):
+  """The multi-process split-mesh path (a plan of single-device copies) gives the same
+  arrays, shardings and bytes as the device_put path, without touching the host."""
+  meshes, shapes, axes, t_sh, params = _setup(dict(colocated=False, sampler=sampler,
+                                                   trainer=trainer))
+  kw = dict(logical_axes=axes, param_shapes=shapes, trainer_shardings=t_sh,
+            sampler_mesh=meshes.sampler, sampler_dtype="bfloat16", colocated=False)
+  plain = WeightSync(**kw, local_copy=False)
+  local = WeightSync(**kw, local_copy=True)
+  assert local._plan is not None and plain._plan is None  # pylint: disable=protected-access
+  sliced = any(rel is not None for moves in local._plan for _, _, rel in moves)  # pylint: disable=protected-access
+  assert sliced == (sampler["tensor"] > trainer["tensor"])
+  expected, _ = plain.transfer(params, 1)
+  local.transfer(params, 0)  # compile outside the guard
+  with jax.transfer_guard_device_to_host("disallow_explicit"), \
+       jax.transfer_guard_host_to_device("disallow_explicit"):
+    out, stats = local.transfer(params, 1)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out), jax.tree.leaves(expected)):
+    assert a.sharding == b.sharding, path
+    assert a.dtype == jnp.bfloat16, path
+    for sa, sb in zip(sorted(a.addressable_shards, key=lambda s: s.device.id),
+                      sorted(b.addressable_shards, key=lambda s: s.device.id)):
+      assert sa.index == sb.index
+      np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data))
+  # every copy lands on the sampler device from a trainer device
+  for moves in local._plan:  # pylint: disable=protected-access
+    for d_s, d_t, _ in moves:
+      assert d_s in set(meshes.sampler.devices.flat) and d_t in set(meshes.trainer.devices.flat)
+  assert stats.bytes == plain.bytes and stats.version == 1

@@ -518,11 +518,21 @@ class Trainer:
 
   def step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
     """One GRPO step (num_minibatches optimizer updates). `state` is donated."""
+    state, pending = self.dispatch_step(state, batch)
+    return state, pending()
+
+  def dispatch_step(self, state: TrainState, batch: TrainBatch):
+    """Launches one GRPO step without waiting for it: (new state, a function that
+    blocks and returns the metrics as floats). `state` is donated."""
     state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS), self._reference())
-    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    out.update(zero_var_groups=float(batch.zero_var_groups), seq_len=float(batch.seq_len),
-               rollouts=float(batch.num_rollouts))
-    return state, out
+    extra = dict(zero_var_groups=float(batch.zero_var_groups), seq_len=float(batch.seq_len),
+                 rollouts=float(batch.num_rollouts))
+
+    def result() -> dict[str, float]:
+      out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      out.update(extra)
+      return out
+    return state, result
 
   def sft_step(self, state: TrainState, batch: TrainBatch
                ) -> tuple[TrainState, dict[str, float]]:
