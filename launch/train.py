@@ -32,6 +32,10 @@ def main(argv):
     return
   except KeyboardInterrupt:
     sys.exit("interrupted")
+  if "wall_time_s" not in summary:  # a follower process of a multi-process run
+    print(f"done: process {summary['process_index']} followed process 0 for "
+          f"{summary['optimizer_steps']} optimizer steps", flush=True)
+    return
   lost = summary["groups_lost_on_resume"]
   print(f"done: held-out reward {summary['heldout_reward_initial']:.3f} -> "
         f"{summary['heldout_reward_final']:.3f} in {summary['wall_time_s']:.0f}s"

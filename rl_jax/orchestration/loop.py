@@ -28,6 +28,7 @@ trainer state is consistent, and raises RunError.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -125,6 +126,13 @@ class Pipeline:
     self.sync = self.mode == "sync"
     from rl_jax.orchestration import multihost
     self.multi_process = multihost.multi_process()
+    # Multi-process: process 0 leads (logs its scheduling decisions before launching
+    # device work), the others replay its log (rl_jax/orchestration/multihost.py).
+    self.events = multihost.EventLog() if self.multi_process else None
+    self.follower = self.events is not None and not self.events.leader
+    self._log_events = False  # the leader logs only while the RL loop runs
+    self._published_params: dict[int, Any] = {}  # multi-process: sampler weights by version
+    self._requested_version = 0  # newest version handed to the generator
     # Multi-process: sub-meshes take devices from every process, and every process
     # makes the same host-side decisions (rl_jax/orchestration/multihost.py).
     self.meshes = sharding.make_meshes(
@@ -172,7 +180,8 @@ class Pipeline:
     # Generators are made once the first weights are published (see run()).
     self.generator = None
     self.evaluator = None
-    self.pool = VerifierPool(self.task, cfg.verifier, seed=cfg.seed)
+    # Followers take process 0's rewards from the event log and verify nothing.
+    self.pool = None if self.follower else VerifierPool(self.task, cfg.verifier, seed=cfg.seed)
 
     max_inflight = config_lib.max_inflight_groups(cfg)
     if self.sync:
@@ -189,6 +198,7 @@ class Pipeline:
     self._pause = threading.Event()
     self._paused = threading.Event()
     self._error: BaseException | None = None
+    self._discarded_ids: list[int] = []  # stale groups dropped since the last train event
     self._steps_done = 0  # optimizer steps completed (read by the sampler thread)
     self._sync_admitted = 0  # groups admitted so far in sync mode
     self._groups: dict[int, Group] = {}
@@ -242,16 +252,47 @@ class Pipeline:
     self.evaluator = Generator(self.engine, sampler_params, version=self.version,
                                sampling=self.sampling)
 
-  def _publish(self, params, version: int) -> None:
-    sampler_params, stats = self.weight_sync.transfer(params, version)
+  def _start_publish(self, params, version: int):
+    """Launches the weight sync of `version`; returns the function that waits for it and
+    hands the weights to the sampler. Multi-process, the sampler takes them at the
+    sample event that names the version instead (see _sample_once)."""
+    sampler_params, finish = self.weight_sync.start(params, version)
     with self._lock:
       self._published_at[version] = time.time()
-    if self.generator is None:
-      self._make_generators(sampler_params)
-    else:
-      self.generator.update_params(sampler_params, version)
-    self.sync_durations.append(stats.duration_s)
-    self.last_sync = stats
+      if self.events is not None:
+        self._published_params = {v: p for v, p in self._published_params.items()
+                                  if v >= self._requested_version}
+        self._published_params[version] = sampler_params
+
+    def done() -> None:
+      stats = finish()
+      if self.generator is None:
+        self._make_generators(sampler_params)
+        self._requested_version = version
+      elif self.events is None:
+        self.generator.update_params(sampler_params, version)
+      self.sync_durations.append(stats.duration_s)
+      self.last_sync = stats
+    return done
+
+  def _publish(self, params, version: int) -> None:
+    self._start_publish(params, version)()
+
+  def _event(self, kind: str, **payload):
+    """The leader's event context (multi-process, while the RL loop runs); else none."""
+    if self.events is None or self.follower or not self._log_events:
+      return contextlib.nullcontext()
+    return self.events.event(kind, **payload)
+
+  def _newer_version(self) -> int | None:
+    """Multi-process: the newest published version the generator has not been given."""
+    with self._lock:
+      newest = max(self._published_params, default=None)
+    return newest if newest is not None and newest > self._requested_version else None
+
+  def _swap_to(self, version: int) -> None:
+    self.generator.update_params(self._published_params[version], version)
+    self._requested_version = version
 
   def _sampler_loop(self) -> None:
     try:
@@ -264,11 +305,12 @@ class Pipeline:
             time.sleep(0.005)
           self._paused.clear()
           continue
-        self._admit()
-        busy = gen.num_active > 0 or gen.num_pending > 0
         t0 = self.clock.now()
-        # An idle step still swaps in published weights (the sync barrier relies on it).
-        finished = gen.step()
+        stepped = self._sample_once()
+        if stepped is None:  # multi-process leader with nothing to do
+          self.queue.wait_changed(0.005)
+          continue
+        busy, finished = stepped
         if busy:
           self.sampler_busy.add(t0, self.clock.now())
         v = gen.version
@@ -285,46 +327,80 @@ class Pipeline:
     except BaseException as e:  # surfaced to the trainer thread, which stops the run
       self._fail(e)
 
-  def _admit(self) -> None:
+  def _sample_once(self):
+    """Admission and one Generator.step: (busy, finished rollouts), or None when the
+    multi-process leader had nothing to launch. The leader logs the admitted group ids
+    and the weight version to swap in before launching (under the event lock)."""
+    gen = self.generator
+    logging = self.events is not None and self._log_events
+    with self.events.lock if logging else contextlib.nullcontext():
+      admitted = self._admit()
+      busy = gen.num_active > 0 or gen.num_pending > 0
+      if logging:
+        version = self._newer_version()
+        if not admitted and version is None and not busy:
+          return None
+        self.events.put("sample", gids=admitted, version=version)
+        if version is not None:
+          self._swap_to(version)
+      # An idle step still swaps in published weights (the sync barrier relies on it).
+      finished = gen.step()
+    return busy, finished
+
+  def _admit(self) -> list[int]:
+    """Admits groups while admission control allows; their ids."""
     cfg = self.cfg
     gen = self.generator
+    admitted = []
     while gen.has_capacity() and self.queue.can_admit():
       if self.sync:
         # The barrier: one batch of groups_per_step groups per optimizer step, admitted
         # only once the previous step is done and its weights (if published) are in use.
         if (self._sync_admitted >= (self._steps_done + 1) * cfg.rl.groups_per_step
             or gen.version != self.version):
-          return
+          break
         self._sync_admitted += 1
-      with self._lock:
-        # One critical section, so a checkpoint sees the iterator, the id cursor and the
-        # outstanding groups of a single moment.
-        before = self.prompts.get_state()
-        record = next(self.prompts)
-        gid = self._next_group_id
-        self._next_group_id += 1
-        self._outstanding[gid] = {"prompts": before, "rollouts": 0}
-        self.counts["groups_admitted"] += 1
-      example = self.task.example(int(record["index"]))
-      now = time.time()
-      group = Group(group_id=gid, example=example,
-                    prompt_tokens=np.asarray(record["prompt_tokens"], np.int32), admitted=now)
-      with self._lock:
-        self._groups[gid] = group
+      admitted.append(self._admit_one())
+    return admitted
+
+  def _admit_one(self) -> int:
+    """Draws the next prompt as group `_next_group_id` and adds it to the generator."""
+    cfg = self.cfg
+    gen = self.generator
+    with self._lock:
+      # One critical section, so a checkpoint sees the iterator, the id cursor and the
+      # outstanding groups of a single moment.
+      before = self.prompts.get_state()
+      record = next(self.prompts)
+      gid = self._next_group_id
+      self._next_group_id += 1
+      self._outstanding[gid] = {"prompts": before, "rollouts": 0}
+      self.counts["groups_admitted"] += 1
+    example = self.task.example(int(record["index"]))
+    now = time.time()
+    group = Group(group_id=gid, example=example,
+                  prompt_tokens=np.asarray(record["prompt_tokens"], np.int32), admitted=now)
+    with self._lock:
+      self._groups[gid] = group
+    if not self.follower:
       self.queue.admitted()
-      gen.add_group(gid, group.prompt_tokens, cfg.rl.group_size,
-                    seed=cfg.seed * 1_000_003 + gid)
+    gen.add_group(gid, group.prompt_tokens, cfg.rl.group_size,
+                  seed=cfg.seed * 1_000_003 + gid)
+    return gid
 
   def _on_rollout_finished(self, r) -> None:
     with self._lock:
       group = self._groups[r.group_id]
       group.rollouts.append(r)
       self._outstanding[r.group_id]["rollouts"] += 1
-      self.finished_rollouts.append(r)
+      if not self.follower:  # the leader's log lines drain it
+        self.finished_rollouts.append(r)
       self.counts["rollouts_generated"] += 1
       self.sampler_tokens += r.num_tokens
       self.prompt_tokens_total += len(r.prompt_tokens)
     r.completion_text = self.tokenizer.decode(r.completion_tokens)
+    if self.follower:
+      return  # rewards come with the train event
     self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,
                      callback=self._on_verified)
 
@@ -406,6 +482,7 @@ class Pipeline:
         self.counts["groups_discarded_stale"] += 1
         self.counts["rollouts_discarded_stale"] += len(group.rollouts)
         self.discarded_by_version[min(r.min_version for r in group.rollouts)] += 1
+        self._discarded_ids.append(group.group_id)
         with self._lock:
           self._outstanding.pop(group.group_id, None)
         continue
@@ -416,9 +493,6 @@ class Pipeline:
       # Verifier completion order must not reach the update: summation order in the
       # loss follows the rows, and sync runs are reproducible bit for bit.
       batch.sort(key=lambda g: g.group_id)
-    if self.multi_process:
-      from rl_jax.orchestration import multihost
-      multihost.broadcast_batch(batch)
     self._batch_staleness = [g.staleness(self.version) for g in batch]
     return batch
 
@@ -431,10 +505,11 @@ class Pipeline:
         and not self._paused.is_set() and not self._stop.is_set():
       time.sleep(0.002)
     try:
-      params, _ = self.weight_sync.transfer(self.state.params, self.version)
-      self.evaluator.update_params(params, self.version)
-      completions = self.evaluator.generate(self.heldout_prompts, greedy=True,
-                                            max_new_tokens=self.cfg.sampler.max_new_tokens)
+      with self._event("evaluate"):
+        params, _ = self.weight_sync.transfer(self.state.params, self.version)
+        self.evaluator.update_params(params, self.version)
+        completions = self.evaluator.generate(self.heldout_prompts, greedy=True,
+                                              max_new_tokens=self.cfg.sampler.max_new_tokens)
       texts = [self.tokenizer.decode(c) for c in completions]
       result = evaluate_task(self.task, self.heldout, texts)
     finally:
@@ -517,7 +592,10 @@ class Pipeline:
       if resumed is None:
         self._save(step, heldout=heldout_initial)
       self.last_verified = time.time()  # verifier patience counts from the pipeline's start
-      if step < cfg.rl.total_steps:  # a resumed run may have finished already
+      if step < cfg.rl.total_steps and self.follower:  # (a resumed run may be done)
+        step = self._follow(step)
+      elif step < cfg.rl.total_steps:
+        self._log_events = self.events is not None
         self._sampler_thread = threading.Thread(target=self._sampler_loop, name="sampler",
                                                 daemon=True)
         self._sampler_thread.start()
@@ -529,9 +607,18 @@ class Pipeline:
         groups = self._next_batch()
         t0 = self.clock.now()
         batch = self.trainer.make_train_batch(groups)
+        publish = (step + 1) % cfg.rl.weight_sync_every == 0
         t_step = time.perf_counter()
         self._consistent = False  # the step donates self.state; version and counters follow
-        self.state, tm = self.trainer.step(self.state, batch)
+        discarded, self._discarded_ids = self._discarded_ids, []
+        with self._event("train", gids=[g.group_id for g in groups],
+                         rewards=[[r.reward for r in g.rollouts] for g in groups],
+                         discarded=discarded, publish=publish):
+          self.state, result = self.trainer.dispatch_step(self.state, batch)
+          if publish:
+            self.version += 1
+            published = self._start_publish(self.state.params, self.version)
+        tm = result()
         self.step_times.append(time.perf_counter() - t_step)
         self.padded_tokens += int(batch.tokens_bt.size)
         step += 1
@@ -541,9 +628,8 @@ class Pipeline:
         with self._lock:
           for g in groups:
             self._outstanding.pop(g.group_id, None)
-        if step % cfg.rl.weight_sync_every == 0:
-          self.version += 1
-          self._publish(self.state.params, self.version)
+        if publish:
+          published()
         # Async releases trained groups from the admission count only once their version
         # is published; sync trains every batch at the version that generated it.
         self._held_groups += len(groups)
@@ -574,8 +660,19 @@ class Pipeline:
         if self._preempt.is_set():
           raise Preempted()
       wall = self.clock.now()
+      if self._log_events:
+        self._stop_workers()  # the sampler logs nothing after the end event
+        with self.events.lock:
+          self.events.put("end")
+        self._log_events = False
     except BaseException as e:
       self._stop_workers()
+      if self._log_events:
+        self._log_events = False
+        line = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
+        with self.events.lock:
+          self.events.put("abort", message=line[-1] if line else type(e).__name__,
+                          save=self._consistent)
       error = self._abort(e, step)
       if error is e:
         raise
@@ -587,18 +684,87 @@ class Pipeline:
     # Saved before the final point joins the curve: resuming a finished run evaluates
     # again and appends it once.
     self._save(step, heldout=heldout_final, wait=True)
+    if self.follower:  # process 0 writes the summary
+      return {"process_index": self.events_index, "optimizer_steps": step,
+              "policy_version": self.version, "heldout_reward_final": heldout_final}
     curve.append([wall, step, heldout_final])
     summary = self._summary(wall, step, heldout_initial, heldout_final, curve)
     self.writer.write(step, {"reward/heldout": heldout_final})
     self.writer.close()
     return summary
 
+  def _follow(self, step: int) -> int:
+    """Followers: performs process 0's events in its order until the loop's end event;
+    the optimizer steps done by then."""
+    while True:
+      kind, p = self.events.next()
+      if kind == "sample":
+        for gid in p["gids"]:
+          got = self._admit_one()
+          if got != gid:
+            raise RunError(f"process {self.events_index} admitted group {got} where process "
+                           f"0 admitted {gid}; the processes have diverged")
+        if p["version"] is not None:
+          self._swap_to(p["version"])
+        for r in self.generator.step():
+          self._on_rollout_finished(r)
+      elif kind == "train":
+        step = self._replay_train(p, step)
+      elif kind == "evaluate":
+        self.evaluate()
+      elif kind == "save":
+        self._save(p["step"], heldout=p["heldout"], wait=p["wait"])
+      elif kind == "end":
+        return step
+      elif kind == "abort":
+        self._consistent = bool(p["save"])  # save collectively iff process 0 saves
+        raise RunError(f"process 0 stopped the run: {p['message']}")
+      else:
+        raise RunError(f"unknown event {kind!r} from process 0 (different rl_jax versions?)")
+
+  @property
+  def events_index(self) -> int:
+    import jax
+    return jax.process_index()
+
+  def _replay_train(self, p: dict, step: int) -> int:
+    """A follower's train event: the leader's groups with its rewards; no waiting."""
+    with self._lock:
+      for gid in p["discarded"]:
+        self._groups.pop(gid, None)
+        self._outstanding.pop(gid, None)
+    groups = []
+    for gid, rewards in zip(p["gids"], p["rewards"]):
+      with self._lock:
+        group = self._groups.pop(gid, None)
+      if group is None or len(group.rollouts) != len(rewards):
+        raise RunError(f"process {self.events_index} lacks the rollouts of group {gid} that "
+                       f"process 0 trains on; the processes have diverged")
+      group.rollouts.sort(key=lambda x: x.sample_index)
+      for r, reward in zip(group.rollouts, rewards):
+        r.reward = float(reward)
+      groups.append(group)
+    batch = self.trainer.make_train_batch(groups)
+    self._consistent = False
+    self.state, _ = self.trainer.dispatch_step(self.state, batch)
+    if p["publish"]:
+      self.version += 1
+      self._start_publish(self.state.params, self.version)  # taken at a sample event
+    with self._lock:
+      for g in groups:
+        self._outstanding.pop(g.group_id, None)
+    step += 1
+    self._steps_done = step
+    self._consistent = True
+    return step
+
   def _stop_workers(self) -> None:
     self._stop.set()
     self.queue.close()
     if self._sampler_thread is not None:
       self._sampler_thread.join(timeout=30)
-    self.pool.close()
+    if self.pool is not None:
+      self.pool.close()
 
   def _catch_sigterm(self):
     """Routes SIGTERM to a stop at the next step boundary (see _abort); past
@@ -673,11 +839,12 @@ class Pipeline:
     if self.checkpointer is None or self._curve is None:
       return False
     t0 = time.perf_counter()
-    saved = self.checkpointer.save(
-        step, params=self.state.params, opt_state=self.state.opt_state,
-        ref_params=self.trainer.ref_params if self.cfg.trainer.kl_beta > 0 else None,
-        loop=self._loop_state(step), heldout=heldout, wait=wait,
-        config={"run": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg)})
+    with self._event("save", step=step, heldout=heldout, wait=wait):
+      saved = self.checkpointer.save(
+          step, params=self.state.params, opt_state=self.state.opt_state,
+          ref_params=self.trainer.ref_params if self.cfg.trainer.kl_beta > 0 else None,
+          loop=self._loop_state(step), heldout=heldout, wait=wait,
+          config={"run": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg)})
     self.checkpoint_blocking_s += time.perf_counter() - t0
     if saved:
       self.last_checkpoint_step = step
@@ -767,7 +934,8 @@ class Pipeline:
     self._next_group_id = int(loop["next_group_id"])
     # The pool draws each call's injected latency and failure from (seed, call index);
     # continuing the index keeps sync-mode rewards identical to an uninterrupted run.
-    self.pool._submitted = int(loop["verifier_calls"])  # pylint: disable=protected-access
+    if self.pool is not None:
+      self.pool._submitted = int(loop["verifier_calls"])  # pylint: disable=protected-access
     self.counts.update(loop["counts"])
     self.staleness_hist.update({int(k): v for k, v in loop["staleness_hist"].items()})
     self.discarded_by_version.update(

@@ -1,39 +1,43 @@
-"""Multi-controller execution: every process runs the same loop over one global mesh.
+"""Multi-controller execution: every process runs the same pipeline over one global mesh.
 
 JAX is multi-controller: each process traces and launches every computation that
 touches a mesh spanning processes, and the processes must launch them in the same
-order with the same host inputs, or collectives deadlock or mix data. rl_jax keeps the
-single-process pipeline (sampler thread, verifier pool, trainer on the main thread) and
-makes every input to a device computation identical on all processes:
+order with the same host inputs, or collectives deadlock or mix data. The pipeline's
+scheduling (admission, which groups form a batch, when weights are published and when
+the sampler swaps them in) depends on thread timing and on verifier latency, so it is
+decided on one process and replayed on the others:
 
-  prompts   every process reads the global prompt stream (process_index 0 of 1), so
-            admission draws the same group ids, prompt tokens and seeds everywhere;
-  sampling  generate's outputs are replicated over the sampler mesh before the host reads
-            them, so finished-rollout bookkeeping (which sequences ended, their tokens,
-            log-probs and versions) is identical on every process;
-  rewards   each process verifies its own copy of the rollouts, but the trainer uses
-            process 0's rewards: before make_train_batch, process 0 broadcasts the group
-            ids of the batch and their rewards, and every process checks that its batch
-            holds the same groups (a verifier's timeouts and errors are timing-dependent,
-            so only process 0's results count);
-  schedule  sync mode's barrier and the publication points follow the trainer step count,
-            which is the same on every process; between publications the sampler's device
-            work (prefill, generate, slot moves) depends only on the replicated outputs
-            above, and the trainer's device work waits for a full batch, which in sync
-            mode exists only once the sampler is idle. So the two threads never launch
-            device work at the same time and every process launches the same sequence.
+  leader     process 0 runs the ordinary pipeline (sampler thread, verifier pool, trainer
+             on the main thread). Every piece of device work is an event: before
+             launching it, the thread takes the event lock and appends the event with
+             the decisions it needs to the EventLog (the jax.distributed key-value store,
+             host to host, no device work). The lock is held while launching, not while
+             waiting for results, so sampler and trainer still overlap.
+  followers  processes 1.. run no sampler thread and no verifiers: one thread reads the
+             log in order and performs each event with the leader's decisions, so their
+             launch order is the leader's by construction.
 
-Async mode's admission and batch formation depend on thread timing (how many decode
-steps run while the trainer steps, which groups the verifiers finish first), which
-differs between processes; a multi-process async run is refused with one line rather
-than risking a deadlock (see `check_supported`).
+  event     decisions carried                 work launched
+  sample    ids of groups admitted, version   prefill/insert/generate (one Generator.step)
+            of weights to swap in (or none)
+  train     group ids of the batch and their  one train step; with publish, the weight
+            rewards, stale groups discarded    sync of the new version
+  evaluate  -                                 held-out greedy evaluation
+  save      step, held-out reward             a collective orbax checkpoint save
+  end/abort message                           stop (abort: RunError on every process)
+
+Host data: every process reads the global prompt stream (process_index 0 of 1), so the
+group ids in a sample event name the same prompts everywhere; generate's outputs are
+replicated over the sampler mesh before the host reads them (ReplicatedOutputs), so
+every process holds the same rollouts; rewards are process 0's, carried by the train
+event. Each process builds the same global host batch and device_put places only its
+addressable shards. Only process 0 writes metrics, summary.json and checkpoint metadata.
 
 Meshes: `role_devices` orders the global devices round-robin over processes, so a
 sub-mesh made from the first n devices takes devices from every process. Weight sync
-between disjoint sub-meshes needs a cross-process device_put, which jax supports only
-when source and target shardings cover the same devices (and, for different device sets,
-only on the TFRT TPU runtime); multi-process runs therefore need mesh.colocated=True
-unless running on TPU, and `check_supported` says so.
+between disjoint sub-meshes copies each sampler shard from a trainer device of the same
+process (rl_jax/orchestration/weight_sync.py), so it stays device-to-device and needs no
+cross-host transfer.
 
 Digest: with RL_JAX_DIGEST set, every process writes `<RL_JAX_DIGEST>.<process index>`
 (JSON: policy version, optimizer steps, per-leaf sums of the final trainer params) so a
@@ -41,8 +45,10 @@ test or an operator can check that processes agree and compare against another r
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -60,16 +66,64 @@ def multi_process() -> bool:
 
 
 def check_supported(cfg) -> None:
-  if not multi_process():
-    return
-  if cfg.rl.mode != "sync":
-    raise MultiHostError(
-        f"rl.mode={cfg.rl.mode!r} runs in one process only; multi-process runs support "
-        f"rl.mode='sync' (see rl_jax/orchestration/multihost.py)")
-  if not cfg.mesh.colocated and jax.devices()[0].platform != "tpu":
-    raise MultiHostError(
-        "multi-process runs on CPU/GPU need mesh.colocated=True: jax cannot copy weights "
-        "between disjoint device sets that span processes outside TPU")
+  """Multi-process runs support both modes and both mesh layouts; split meshes need a
+  weight-sync layout that each process can copy locally (checked when it is built)."""
+  del cfg
+
+
+class EventLog:
+  """The leader's launch order and decisions, shared through the jax.distributed
+  key-value store. Leader: `event(kind, **payload)` is a context manager that holds the
+  event lock, appends the event, and launches the work in its body. Followers: `next()`
+  returns the events in order, waiting for the leader."""
+
+  PREFIX = "rl_jax/events/"
+  KEEP = 1 << 14  # old events are deleted; followers run at most a few events behind
+
+  def __init__(self, client=None):
+    if client is None:
+      from jax._src import distributed as jax_distributed
+      client = jax_distributed.global_state.client
+    if client is None:
+      raise MultiHostError("multi-process run without a jax.distributed client")
+    self._client = client
+    self.leader = jax.process_index() == 0
+    self.lock = threading.RLock()
+    self.count = 0
+
+  def put(self, kind: str, **payload) -> None:
+    """Leader: appends one event (call with `lock` held, before launching its work)."""
+    key = f"{self.PREFIX}{self.count}"
+    self._client.key_value_set(key, json.dumps([kind, payload]))
+    if self.count >= self.KEEP:
+      try:
+        self._client.key_value_delete(f"{self.PREFIX}{self.count - self.KEEP}")
+      except Exception:  # noqa: BLE001  (cleanup only)
+        pass
+    self.count += 1
+
+  @contextlib.contextmanager
+  def event(self, kind: str, **payload):
+    with self.lock:
+      self.put(kind, **payload)
+      yield
+
+  def next(self, poll_s: float = 5.0) -> tuple[str, dict]:
+    """Follower: the next event; waits as long as the leader takes."""
+    key = f"{self.PREFIX}{self.count}"
+    while True:
+      try:
+        raw = self._client.blocking_key_value_get(key, int(poll_s * 1000))
+        break
+      except Exception as e:  # noqa: BLE001
+        text = str(e)
+        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+          continue
+        raise MultiHostError(f"process {jax.process_index()} lost the event log of "
+                             f"process 0: {text.splitlines()[0] if text else e!r}") from None
+    self.count += 1
+    kind, payload = json.loads(raw)
+    return kind, payload
 
 
 def role_devices() -> list:
@@ -114,21 +168,6 @@ class ReplicatedOutputs:
       fn = self._replicate[num_slots] = jax.jit(lambda x: x, in_shardings=(in_sh,),
                                                 out_shardings=rep)
     return state, fn(out)
-
-
-def broadcast_batch(groups) -> None:
-  """Makes every process train on process 0's rewards for the same groups (in place)."""
-  from jax.experimental import multihost_utils
-  ids = np.asarray([g.group_id for g in groups], np.int64)
-  rewards = np.asarray([[r.reward for r in g.rollouts] for g in groups], np.float32)
-  ids0, rewards0 = multihost_utils.broadcast_one_to_all((ids, rewards))
-  if not np.array_equal(np.asarray(ids0), ids):
-    raise MultiHostError(
-        f"process {jax.process_index()} formed a batch of groups {ids.tolist()} but process 0 "
-        f"formed {np.asarray(ids0).tolist()}; the processes have diverged")
-  for g, row in zip(groups, np.asarray(rewards0)):
-    for r, value in zip(g.rollouts, row):
-      r.reward = float(value)
 
 
 def params_digest(params, mesh) -> list[list[float]]:
