@@ -145,9 +145,11 @@ def test_two_process_async_agrees_and_matches_single_process(tmp_path):
   updates and bounded staleness as in one process. Which groups form each batch depends
   on timing, so the single-process run matches within tolerance, not bitwise."""
   flags = _with(TINY, **{"rl.mode": "async", "rl.total_steps": 6, "rl.max_staleness": 2,
-                         "rl.inflight_weight_updates": True})
+                         "rl.inflight_weight_updates": True, "checkpoint.every": 3})
   (v, s, p_multi), summary = _run_two(flags, tmp_path, "multi")
   assert (v, s) == (6, 6)
+  # checkpoints are saved by both processes together, at the steps process 0 logged
+  assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["0", "3", "6"]
   hist = {int(k): n for k, n in summary["staleness_histogram"].items()}
   assert max(hist) <= 2 and sum(hist.values()) == 6 * 4
   assert summary["rollouts_trained"] == 6 * 4 * 2

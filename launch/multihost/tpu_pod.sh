@@ -4,7 +4,7 @@
 # JAX_* variables are needed. Usage:
 #   launch/multihost/tpu_pod.sh TPU_NAME ZONE REPO_DIR_ON_WORKERS WORKDIR [train.py flags...]
 # e.g. launch/multihost/tpu_pod.sh my-v5e-16 us-west4-a '~/rl_jax' gs://bucket/runs/x \
-#        --config configs/qwen2_gsm8k.py:model=qwen2_0_5b --config.rl.mode=sync
+#        --config configs/qwen2_gsm8k.py:model=qwen2_0_5b
 set -euo pipefail
 if [ $# -lt 4 ]; then
   echo "usage: $0 TPU_NAME ZONE REPO_DIR WORKDIR [train.py flags...]" >&2
