@@ -168,3 +168,17 @@ def test_leader_failure_stops_every_process_with_one_line(tmp_path):
   assert rc0 != 0 and rc1 != 0
   assert _last_line(err0).startswith("error: no completion was verified ok for 3s"), err0[-2000:]
   assert _last_line(err1).startswith("error: process 0 stopped the run: "), err1[-2000:]
+
+
+def test_split_layout_without_local_shards_is_refused_on_every_process(tmp_path):
+  """Sampler tensor=2 over both processes, trainer tensor=4: a sampler half spans two
+  trainer quarters, so no process can copy it locally; every process says so at start."""
+  flags = _with(TINY, **{"mesh.colocated": False, "mesh.sampler.data": 2,
+                         "mesh.sampler.tensor": 2, "mesh.trainer.data": 1,
+                         "mesh.trainer.tensor": 4})
+  for rc, _, stderr in _launch([flags, flags], tmp_path, timeout=120):
+    assert rc != 0
+    line = _last_line(stderr)
+    assert line.startswith("error: weight sync: no trainer device of process 0 holds the "
+                           "shard [0:64, 0:128] of parameter ['embed']"), stderr[-2000:]
+    assert "mesh.sampler.tensor equal to mesh.trainer.tensor" in line

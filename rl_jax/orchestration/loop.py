@@ -165,12 +165,16 @@ class Pipeline:
                            loss_norm_len=cfg.trainer.loss_norm_len or cfg.sampler.max_new_tokens)
     rng = jax.random.PRNGKey(cfg.seed)
     self.state = self.trainer.init_state(params=init_params, rng=rng)
-    self.weight_sync = WeightSync(
-        logical_axes=model_lib.param_logical_axes(model_cfg),
-        param_shapes=jax.eval_shape(lambda: self.state.params),
-        trainer_shardings=self.trainer.param_shardings,
-        sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
-        colocated=self.meshes.colocated)
+    from rl_jax.orchestration.weight_sync import LayoutError
+    try:
+      self.weight_sync = WeightSync(
+          logical_axes=model_lib.param_logical_axes(model_cfg),
+          param_shapes=jax.eval_shape(lambda: self.state.params),
+          trainer_shardings=self.trainer.param_shardings,
+          sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
+          colocated=self.meshes.colocated)
+    except LayoutError as e:
+      raise RunError(str(e)) from None
     self.engine = Engine.from_config(cfg.sampler, model_cfg, mesh=self.meshes.sampler,
                                      tokenizer=self.tokenizer)
     if self.multi_process:

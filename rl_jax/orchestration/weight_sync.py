@@ -63,32 +63,35 @@ def _slicer(bounds: tuple):
 
 def local_copy_plan(shapes, staged_shardings, sampler_shardings, names=None) -> list:
   """For every leaf, [(sampler device, trainer device, slice within that trainer device's
-  shard or None)] over the sampler devices of this process. Raises LayoutError naming the
-  first leaf whose shard no trainer device of this process holds."""
+  shard or None)] over the sampler devices of this process. Every process's part is
+  checked, so all processes raise the same LayoutError (naming the first parameter whose
+  shard no trainer device of the sampler device's process holds) or none does."""
   plan = []
   leaves = jax.tree.leaves(shapes)
   staged = jax.tree.leaves(staged_shardings)
   target = jax.tree.leaves(sampler_shardings)
   names = names or [f"leaf {i}" for i in range(len(leaves))]
+  me = jax.process_index()
   for name, shape, st, sa in zip(names, leaves, staged, target):
     dims = shape.shape
-    have = {d: _norm(i, dims) for d, i in st.devices_indices_map(dims).items()
-            if d.process_index == jax.process_index()}
+    have = {d: _norm(i, dims) for d, i in st.devices_indices_map(dims).items()}
     uses: dict = {d: 0 for d in have}
     moves = []
-    for d_s, idx in sa.devices_indices_map(dims).items():
-      if d_s.process_index != jax.process_index():
-        continue
+    for d_s, idx in sorted(sa.devices_indices_map(dims).items(), key=lambda kv: kv[0].id):
       want = _norm(idx, dims)
-      holders = [d for d, h in have.items() if _contains(h, want)]
+      holders = [d for d, h in have.items()
+                 if d.process_index == d_s.process_index and _contains(h, want)]
       if not holders:
         raise LayoutError(
-            f"weight sync: no trainer device of process {jax.process_index()} holds the "
-            f"shard {want} of parameter {name} that sampler device {d_s.id} needs; use "
+            f"weight sync: no trainer device of process {d_s.process_index} holds the "
+            f"shard [{', '.join(f'{w.start}:{w.stop}' for w in want)}] of parameter {name} "
+            f"that sampler device {d_s.id} needs; use "
             f"mesh.sampler.tensor equal to mesh.trainer.tensor, or mesh.colocated=True")
       # Exact matches first, then the least used holder (spreads the copies).
       d_t = min(holders, key=lambda d: (have[d] != want, uses[d], d.id))
       uses[d_t] += 1
+      if d_s.process_index != me:
+        continue
       rel = None
       if have[d_t] != want:
         rel = tuple(slice(w.start - h.start, w.stop - h.start)
