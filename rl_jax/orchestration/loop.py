@@ -24,6 +24,13 @@ mode cuts at the last admission; the groups then in flight or queued are lost on
 (counted in summary.json, never repeated). Faults: SIGTERM saves at the next step
 boundary and raises Preempted; a failure in any thread stops every thread, saves when the
 trainer state is consistent, and raises RunError.
+
+Multi-process (jax.distributed): process 0 runs this pipeline and logs every piece of
+device work with its decisions before launching it (sample: admitted group ids and the
+weight version to swap in; train: the batch's group ids and rewards; evaluate; save);
+the other processes run no sampler thread and no verifiers and replay the log in order
+(`_follow`), so all processes launch the same computations in the same order. See
+rl_jax/orchestration/multihost.py.
 """
 from __future__ import annotations
 
