@@ -681,9 +681,13 @@ class Pipeline:
       if self._log_events:
         self._log_events = False
         line = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
-        with self.events.lock:
-          self.events.put("abort", message=line[-1] if line else type(e).__name__,
-                          save=self._consistent)
+        # Best effort: a sampler stuck in a collective (a follower died) keeps the lock.
+        if self.events.lock.acquire(timeout=60):
+          try:
+            self.events.put("abort", message=line[-1] if line else type(e).__name__,
+                            save=self._consistent)
+          finally:
+            self.events.lock.release()
       error = self._abort(e, step)
       if error is e:
         raise
@@ -707,8 +711,12 @@ class Pipeline:
   def _follow(self, step: int) -> int:
     """Followers: performs process 0's events in its order until the loop's end event;
     the optimizer steps done by then."""
+    from rl_jax.orchestration.multihost import MultiHostError
     while True:
-      kind, p = self.events.next()
+      try:
+        kind, p = self.events.next()
+      except MultiHostError as e:
+        raise RunError(str(e)) from None
       if kind == "sample":
         for gid in p["gids"]:
           got = self._admit_one()
