@@ -3,6 +3,8 @@ import asyncio
 import functools
 import logging
 import socket
+import threading
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,29 @@ from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 # undo that so JAX's debug logs do not flood (or outlive) the test's captured stdout.
 logging.getLogger().removeHandler(orchestrator.handler)
 logging.getLogger().setLevel(logging.WARNING)
+
+# JetStream's worker threads SIGKILL the process on any exception, which would take the
+# whole test run down without a word. In tests, a worker error is recorded and reported
+# by the test instead (the adapter's own fixes must keep this list empty).
+THREAD_ERRORS: list[str] = []
+
+
+def _recording_run(self):
+  try:
+    threading.Thread.run(self)
+  except Exception:  # noqa: BLE001
+    THREAD_ERRORS.append(f"{self.name}: {traceback.format_exc()}")
+
+
+orchestrator.JetThread.run = _recording_run
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_errors():
+  THREAD_ERRORS.clear()
+  yield
+  assert not THREAD_ERRORS, "a JetStream worker thread failed:\n" + "\n".join(THREAD_ERRORS)
+
 
 from rl_jax import model  # noqa: E402
 from rl_jax import sharding as shd  # noqa: E402
@@ -89,7 +114,8 @@ def test_orchestrator_drives_adapter(adapter, params):
     return ids
 
   async def run_all():
-    return await asyncio.gather(*[decode(t, 3 + i % 4) for i, t in enumerate(texts)])
+    return await asyncio.wait_for(
+        asyncio.gather(*[decode(t, 3 + i % 4) for i, t in enumerate(texts)]), timeout=120)
 
   try:
     got = asyncio.run(run_all())
@@ -118,7 +144,29 @@ def test_grpc_server_round_trip(adapter, params):
       return "".join([r.stream_content.samples[0].text async for r in stub.Decode(request)])
 
   try:
-    text = asyncio.run(call())
+    text = asyncio.run(asyncio.wait_for(call(), timeout=120))
   finally:
     server.stop()
   assert text == TOK.decode(reference(params, TOK.encode("12+3="), 5))
+
+
+def test_streams_ending_as_their_event_loop_closes_do_not_kill_workers(adapter):
+  """JetStream 0.2.2 ends a stream with two posts to the receiver's loop; a receiver that
+  finishes after the first and closes its loop made the second raise in the detokenize
+  thread, which SIGKILLs the process. Offline callers (one asyncio.run per request) hit
+  it within a few dozen requests before the adapter's fix."""
+  driver = JA.make_driver(adapter, adapter.load_params())
+  client = orchestrator.LLMOrchestrator(driver=driver)
+
+  async def decode(max_tokens):
+    request = jetstream_pb2.DecodeRequest(
+        session_cache="", priority=1, max_tokens=max_tokens,
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=TOK.encode("12+3=")))
+    return [t async for r in client.Decode(request) for t in r.stream_content.samples[0].token_ids]
+
+  try:
+    lengths = [len(asyncio.run(asyncio.wait_for(decode(2 + i % 3), timeout=60)))
+               for i in range(120)]
+  finally:
+    driver.stop()
+  assert lengths == [2 + i % 3 for i in range(120)]

@@ -167,23 +167,74 @@ def _pack_result(out: engine_lib.StepOutput) -> jax.Array:
                           out.generated_b[:, None]], axis=1)
 
 
-def make_driver(engine: JetStreamEngine, params: Any):
-  """JetStream's orchestrator Driver with `engine` doing prefill and generate
-  (interleaved mode, one slice).
+def _patch_jetstream() -> None:
+  """Work around three defects of JetStream 0.2.2's orchestrator (once per process).
 
-  JetStream 0.2.2 frees a prefix after insert with `jax.tree_map`, which newer JAX
-  removed; its worker threads kill the process on any error, so that helper is
-  replaced with the `jax.tree.map` equivalent first.
+  Its worker threads kill the whole process (SIGKILL) on any exception, so each of
+  these races, harmless in itself, takes the server (or a test runner) down:
+    - `delete_pytree` uses `jax.tree_map`, which newer JAX removed;
+    - `AsyncMultifuture.set_exception` posts the end of a stream and its done flag to
+      the receiver's event loop in two calls: once the first lands, the receiver may
+      finish and close its loop, and the second raises 'Event loop is closed' in the
+      detokenize thread. Here both go in one call, and a closed loop (nobody listening
+      any more) is not an error;
+    - the generate thread asserts that some slot is busy right after scanning the free
+      slots, but the detokenize thread may free the last busy slot in between. Every
+      slot is then free, so `Driver._generate_thread` is restarted (fresh decode state)
+      instead of failing (see `_Driver`).
   """
   from jetstream.core import orchestrator
+  from jetstream.core.utils import async_multifuture as amf
+  if getattr(orchestrator, "_rl_jax_patched", False):
+    return
 
   def delete_pytree(tree):
     jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, tree)
 
+  def set_exception(self, exception: Exception) -> None:
+    def finish():
+      self._queue.put_nowait(amf._Exception(exception))  # pylint: disable=protected-access
+      self._done.set()
+    try:
+      self._loop.call_soon_threadsafe(finish)
+    except RuntimeError:  # the receiver's loop is closed: it stopped listening
+      self._done.set()
+
+  def add_result(self, result) -> None:
+    try:
+      self._loop.call_soon_threadsafe(self._queue.put_nowait, result)
+    except RuntimeError:
+      pass
+
   orchestrator.delete_pytree = delete_pytree
-  return orchestrator.Driver(prefill_engines=[engine], generate_engines=[engine],
-                             prefill_params=[params], generate_params=[params],
-                             interleaved_mode=True)
+  amf.AsyncMultifuture.set_exception = set_exception
+  amf.AsyncMultifuture.add_result = add_result
+  orchestrator._rl_jax_patched = True  # pylint: disable=protected-access
+
+
+_SLOT_ASSERT = "At this point we must have some requests inserted into the slots."
+
+
+def make_driver(engine: JetStreamEngine, params: Any):
+  """JetStream's orchestrator Driver with `engine` doing prefill and generate
+  (interleaved mode, one slice), with the fixes of `_patch_jetstream`."""
+  from jetstream.core import orchestrator
+  _patch_jetstream()
+
+  class _Driver(orchestrator.Driver):
+    """Restarts the generate loop after JetStream's free-slot race (all slots free)."""
+
+    def _generate_thread(self, idx: int):
+      while True:
+        try:
+          return super()._generate_thread(idx)
+        except AssertionError as e:
+          if str(e) != _SLOT_ASSERT or not self.live:
+            raise
+
+  return _Driver(prefill_engines=[engine], generate_engines=[engine],
+                 prefill_params=[params], generate_params=[params],
+                 interleaved_mode=True)
 
 
 def serve(engine: JetStreamEngine, params: Any, *, port: int, threads: int | None = None):
