@@ -565,6 +565,7 @@ class Pipeline:
       return self._run()
     finally:
       restore_sigterm()
+      self.writer.close()  # also on failure: metrics.jsonl keeps what was written
       self._close_checkpointer(failing=sys.exc_info()[0] is not None)
 
   def _close_checkpointer(self, failing: bool) -> None:
