@@ -1167,10 +1167,6 @@ def run(cfg, workdir: str) -> dict:
     raise RunError(str(e)) from None
   config_lib.validate(cfg)
   from rl_jax.orchestration import multihost
-  try:
-    multihost.check_supported(cfg)
-  except multihost.MultiHostError as e:
-    raise RunError(str(e)) from None
   from rl_jax import checkpoint as checkpoint_lib
   checkpoint_lib.validate_config(cfg)
   if cfg.checkpoint.every > 0:

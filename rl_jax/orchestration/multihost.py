@@ -65,12 +65,6 @@ def multi_process() -> bool:
   return jax.process_count() > 1
 
 
-def check_supported(cfg) -> None:
-  """Multi-process runs support both modes and both mesh layouts; split meshes need a
-  weight-sync layout that each process can copy locally (checked when it is built)."""
-  del cfg
-
-
 class EventLog:
   """The leader's launch order and decisions, shared through the jax.distributed
   key-value store. Leader: `event(kind, **payload)` is a context manager that holds the
