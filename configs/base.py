@@ -79,7 +79,9 @@ def get_config(arg=None):
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"  # arithmetic | countdown | gsm8k | jsonl
-  c.task.path = ""  # data file for gsm8k / jsonl
+  c.task.path = ""  # data file for gsm8k / jsonl: .jsonl, .json (lines) or .parquet
+  c.task.eval_path = ""  # gsm8k / jsonl: held-out file (e.g. test split); "": split task.path
+  c.task.prompt_template = "{question}\nAnswer:"  # gsm8k: prompt text around the question
   c.task.matcher = "numeric"  # jsonl: exact | numeric | regex
   c.task.digits = 2
   c.task.num_terms = 2
@@ -106,6 +108,10 @@ def get_config(arg=None):
   c.data.max_prompt_length = 64  # tokens
   c.data.on_long_prompt = "truncate"  # truncate | drop
   c.data.on_bad_line = "skip"  # skip | fail
+  # Render each prompt with the chat template of model.path's tokenizer files:
+  # [system (when data.system_prompt is set), user = the task's prompt] + generation prompt.
+  c.data.chat = False
+  c.data.system_prompt = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 0  # optimizer steps; 0: off

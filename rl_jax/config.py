@@ -213,6 +213,26 @@ def max_inflight_groups(cfg) -> int:
   return (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step
 
 
+def _check_files(cfg) -> None:
+  """Local files the run reads: the checkpoint directory and the task's data files."""
+  path = cfg.model.path
+  _require(not path or os.path.isdir(path),
+           f"config field 'model.path': checkpoint directory {path!r} does not exist")
+  if cfg.data.chat:
+    _require(bool(path), "config field 'model.path' is empty; data.chat=True prompts with the "
+             "checkpoint's own tokenizer and chat template: pass "
+             "--config.model.path=/path/to/hf_checkpoint_dir")
+    _require(cfg.warmstart.steps == 0, "config field 'warmstart.steps' must be 0 with "
+             f"data.chat=True (demonstrations are not chat-formatted); got {cfg.warmstart.steps}")
+  if cfg.task.name in ("gsm8k", "jsonl"):
+    _require(bool(cfg.task.path), f"config field 'task.path' is empty; task.name="
+             f"{cfg.task.name!r} reads a .parquet or .jsonl file: pass --config.task.path=FILE")
+    for name in ("path", "eval_path"):
+      file = cfg.task[name]
+      _require(not file or os.path.isfile(file),
+               f"config field 'task.{name}': data file {file!r} does not exist")
+
+
 def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   """Checks values; returns cfg. Raises ConfigError naming the first bad field."""
   from rl_jax import sharding  # jax import deferred so a bad config fails fast
@@ -271,6 +291,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
            f"config field 'trainer.length_buckets' must reach data.max_prompt_length + "
            f"sampler.max_new_tokens = {need_len}; largest is {max(t.length_buckets)}")
 
+  _check_files(cfg)
   mesh = cfg.mesh
   for role, axes in (("sampler", ("data", "tensor")), ("trainer", ("data", "fsdp", "tensor"))):
     sub = mesh[role]

@@ -13,14 +13,19 @@ Each record is {"uid": str, "index": int (for task.example), "prompt_tokens": in
 [p], "truncated": bool}.
 
 Prompt tokens are [bos] + tokenizer.encode(prompt) (no bos when tokenizer.bos_id is
-None). A prompt of more than data.max_prompt_length tokens is either truncated to its
-LAST max_prompt_length - 1 tokens after the bos (the end holds the question and the
-answer cue such as "=" or "Answer:", which the completion has to follow) or dropped,
-per data.on_long_prompt. Counters (`PromptSource.counters`) count records as they are
+None). With data.chat the prompt is first rendered as a chat by the tokenizer's chat
+template, [system: data.system_prompt (when set), user: prompt] plus the generation
+prompt, and the tokens are tokenizer.encode(rendered) with no bos added: the template
+writes any bos it wants, as transformers' apply_chat_template(tokenize=True) does. A
+prompt of more than data.max_prompt_length tokens is either truncated to its LAST
+max_prompt_length - 1 tokens after the bos (the end holds the question and the answer
+cue such as "=" or "Answer:", which the completion has to follow; a chat prompt keeps
+its last max_prompt_length tokens) or dropped, per data.on_long_prompt. Counters (`PromptSource.counters`) count records as they are
 consumed: truncated, dropped, plus skipped_lines reported by the task's file reader.
 They are part of the saved state, so a resumed run continues them.
 
-The tokenizer is duck-typed: encode(text, add_bos=False) -> list[int], bos_id, eos_id.
+The tokenizer is duck-typed: encode(text, add_bos=False) -> list[int], bos_id, eos_id,
+and for data.chat apply_chat_template(messages) -> str.
 """
 from __future__ import annotations
 
@@ -38,11 +43,39 @@ ON_LONG_PROMPT = ("truncate", "drop")
 _MAX_CONSECUTIVE_DROPS = 1000
 
 
-def encode_prompt(text: str, *, tokenizer, max_length: int) -> tuple[np.ndarray, bool]:
-  """(int32 tokens, truncated): [bos] + encode(text), keeping the end if too long."""
-  tokens = list(tokenizer.encode(text, add_bos=False))
-  bos = getattr(tokenizer, "bos_id", None)
-  head = [] if bos is None else [int(bos)]
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+  """Prompts as one user turn (after an optional system turn) of the tokenizer's chat."""
+  system_prompt: str = ""
+
+  def messages(self, text: str) -> list[dict[str, str]]:
+    system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+    return system + [{"role": "user", "content": text}]
+
+
+def chat_format(data_cfg, tokenizer) -> ChatFormat | None:
+  """ChatFormat for data.chat=True (checking the tokenizer has a template), else None."""
+  if not data_cfg.get("chat", False):
+    return None
+  if getattr(tokenizer, "chat_template", None) is None:
+    raise DataError("data.chat=True needs a tokenizer with a chat template: set model.path "
+                    "to a checkpoint whose tokenizer_config.json has 'chat_template' or that "
+                    "has chat_template.jinja.")
+  return ChatFormat(system_prompt=data_cfg.get("system_prompt", ""))
+
+
+def encode_prompt(text: str, *, tokenizer, max_length: int,
+                  chat: ChatFormat | None = None) -> tuple[np.ndarray, bool]:
+  """(int32 tokens, truncated): [bos] + encode(text), or the rendered chat; keeps the
+  end if too long."""
+  if chat is not None:
+    tokens = list(tokenizer.encode(tokenizer.apply_chat_template(chat.messages(text)),
+                                   add_bos=False))
+    head = []
+  else:
+    tokens = list(tokenizer.encode(text, add_bos=False))
+    bos = getattr(tokenizer, "bos_id", None)
+    head = [] if bos is None else [int(bos)]
   room = max_length - len(head)
   truncated = len(tokens) > room
   if truncated:
@@ -56,11 +89,12 @@ class _MakeRecord:
   task: Any
   tokenizer: Any
   max_length: int
+  chat: ChatFormat | None = None
 
   def __call__(self, index: int) -> dict[str, Any]:
     example = self.task.example(int(index))
     tokens, truncated = encode_prompt(example.prompt, tokenizer=self.tokenizer,
-                                      max_length=self.max_length)
+                                      max_length=self.max_length, chat=self.chat)
     return {"uid": example.uid, "index": int(index), "prompt_tokens": tokens,
             "truncated": truncated}
 
@@ -139,7 +173,8 @@ def make_prompt_source(task, data_cfg, tokenizer, seed: int, process_index: int 
   dataset = dataset.repeat(int(data_cfg.num_epochs) or None)
   dataset = dataset[process_index::process_count]
   dataset = dataset.map(_MakeRecord(task=task, tokenizer=tokenizer,
-                                    max_length=int(data_cfg.max_prompt_length)))
+                                    max_length=int(data_cfg.max_prompt_length),
+                                    chat=chat_format(data_cfg, tokenizer)))
   return PromptSource(task=task, dataset=dataset, on_long_prompt=data_cfg.on_long_prompt,
                       max_prompt_length=int(data_cfg.max_prompt_length))
 
@@ -151,10 +186,11 @@ def heldout_records(task, data_cfg, tokenizer) -> list[dict[str, Any]]:
   only shrinks under "drop".
   """
   _check_data_config(data_cfg)
+  chat = chat_format(data_cfg, tokenizer)
   records = []
   for index, example in enumerate(task.heldout_examples()):
     tokens, truncated = encode_prompt(example.prompt, tokenizer=tokenizer,
-                                      max_length=int(data_cfg.max_prompt_length))
+                                      max_length=int(data_cfg.max_prompt_length), chat=chat)
     if truncated and data_cfg.on_long_prompt == "drop":
       continue
     records.append({"uid": example.uid, "index": index, "prompt_tokens": tokens,

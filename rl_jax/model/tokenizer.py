@@ -2,7 +2,8 @@
 
 Both provide `encode(text, add_bos=False) -> list[int]`, `decode(ids, skip_special=True)
 -> str`, `vocab_size`, `bos_id`, `eos_id`, `pad_id` and `stop_ids` (every id that ends a
-completion). Prompts are formatted by plain string templates, not chat templates.
+completion). Prompts are plain text (format_prompt) or, for a Hugging Face checkpoint
+with a chat template, `HFTokenizer.apply_chat_template(messages)` (rl_jax.model.chat_template).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Iterable
 
 import tokenizers
 
+from rl_jax.model import chat_template as chat_template_lib
 from rl_jax.model.presets import ModelConfig, get_preset
 
 PROMPT_PLACEHOLDER = "{prompt}"
@@ -88,8 +90,9 @@ class HFTokenizer:
 
   Special ids come from tokenizer_config.json (bos_token / eos_token / pad_token), then
   config.json and generation_config.json (*_token_id); the keyword ids are used only
-  where none of those files names one. `stop_ids` holds every eos id the files name.
-  pad falls back to eos.
+  where none of those files names one. `stop_ids` holds every eos id the files name,
+  plus the end-of-turn tokens its chat template writes (e.g. <|im_end|>). pad falls back
+  to eos. `chat_template` is the checkpoint's ChatTemplate, or None.
   """
 
   def __init__(self, path: str, *, bos_id: int | None = None, eos_id: int | None = None,
@@ -118,6 +121,10 @@ class HFTokenizer:
       raise ValueError(f"no eos token in the tokenizer_config.json, config.json or "
                        f"generation_config.json of {path}; pass eos_id")
     self.eos_id = eos_ids[0]
+    self.chat_template = chat_template_lib.load(path, tok_cfg)
+    if self.chat_template is not None:
+      turn_ends = (self._tok.token_to_id(t) for t in self.chat_template.end_of_turn_tokens())
+      eos_ids += [i for i in turn_ends if i is not None]
     self.stop_ids = frozenset(eos_ids)
     self.bos_id = first(token_id("bos_token"), model_cfg.get("bos_token_id"),
                         gen_cfg.get("bos_token_id"), bos_id)
@@ -137,6 +144,14 @@ class HFTokenizer:
 
   def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+  def apply_chat_template(self, messages) -> str:
+    """The chat template rendered with the generation prompt (no tokenization)."""
+    if self.chat_template is None:
+      raise chat_template_lib.ChatTemplateError(
+          f"the tokenizer in {self._path} has no chat template (neither "
+          f"{chat_template_lib.TEMPLATE_FILE} nor a 'chat_template' in tokenizer_config.json)")
+    return self.chat_template.render(messages, add_generation_prompt=True)
 
 
 def load_tokenizer(model_cfg_or_preset_name: ModelConfig | str,

@@ -245,18 +245,24 @@ class DatasetTask:
 
   Held-out examples are the first `heldout_size` held-out records in file order; the
   remaining held-out records are used by neither split, so the training set does not
-  change with heldout_size.
+  change with heldout_size. With `eval_examples` (a separate file, task.eval_path, such
+  as GSM8K's test split) every record of `examples` trains and the held-out set is the
+  first `heldout_size` of `eval_examples`.
   """
   procedural = False
   name = ""
 
   def __init__(self, *, examples: Sequence[Example], source: str, format_reward: float,
-               heldout_size: int, heldout_fraction: float, skipped_lines: int = 0):
+               heldout_size: int, heldout_fraction: float, skipped_lines: int = 0,
+               eval_examples: Sequence[Example] | None = None):
     self.format_reward = float(format_reward)
     self.skipped_lines = int(skipped_lines)
-    train, heldout = [], []
-    for ex in examples:
-      (heldout if is_heldout(ex.prompt, fraction=heldout_fraction) else train).append(ex)
+    if eval_examples is not None:
+      train, heldout = list(examples), list(eval_examples)
+    else:
+      train, heldout = [], []
+      for ex in examples:
+        (heldout if is_heldout(ex.prompt, fraction=heldout_fraction) else train).append(ex)
     if not train:
       raise TaskError(f"{source}: every record falls in the held-out split "
                       f"(task.heldout_fraction={heldout_fraction}); no training data.")

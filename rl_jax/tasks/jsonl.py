@@ -1,4 +1,7 @@
-"""Generic prompt files: JSONL records {"prompt": str, "answer": str} scored by a matcher.
+"""Generic prompt files: records {"prompt": str, "answer": str} scored by a matcher.
+
+The file is JSON lines or Parquet (rl_jax.data.records); task.eval_path names a
+separate held-out file.
 
 task.matcher:
   exact    the stripped completion equals the stripped answer; format = completion
@@ -19,7 +22,8 @@ import os
 import re
 from typing import Any
 
-from rl_jax.data.jsonl import read_jsonl, require_str
+from rl_jax.data.jsonl import require_str
+from rl_jax.data.records import read_records
 from rl_jax.tasks import answers
 from rl_jax.tasks.base import (DatasetTask, Example, Reward, TaskError, make_reward,
                                register_task)
@@ -54,11 +58,10 @@ def _from_config(task_cfg, *, seed: int, on_bad_line: str) -> JsonlTask:
   if matcher not in MATCHERS:
     raise TaskError(f"task.matcher must be one of {MATCHERS}, got {matcher!r}.")
   if not task_cfg.path:
-    raise TaskError("task.name='jsonl' needs task.path, a JSONL file of "
+    raise TaskError("task.name='jsonl' needs task.path, a .jsonl or .parquet file of "
                     "{\"prompt\", \"answer\"} records.")
-  base = os.path.basename(task_cfg.path)
 
-  def parse(obj: dict[str, Any], line_no: int) -> Example:
+  def parse(obj: dict[str, Any], line_no: int, base: str) -> Example:
     prompt = require_str(obj, "prompt")
     answer = require_str(obj, "answer")
     meta = {}
@@ -74,11 +77,21 @@ def _from_config(task_cfg, *, seed: int, on_bad_line: str) -> JsonlTask:
         raise ValueError(f"answer is not a valid regex ({e})") from None
     return Example(uid=f"jsonl:{base}:{line_no}", prompt=prompt, answer=answer, meta=meta)
 
-  examples, skipped = read_jsonl(task_cfg.path, parse=parse, on_bad_line=on_bad_line)
+  def read(path):
+    base = os.path.basename(path)
+    return read_records(path, parse=lambda obj, n: parse(obj, n, base),
+                        on_bad_line=on_bad_line)
+
+  examples, skipped = read(task_cfg.path)
+  eval_examples = None
+  if task_cfg.get("eval_path"):
+    eval_examples, eval_skipped = read(task_cfg.eval_path)
+    skipped += eval_skipped
   return JsonlTask(matcher=matcher, examples=examples, source=task_cfg.path,
                    format_reward=task_cfg.format_reward,
                    heldout_size=task_cfg.heldout_size,
-                   heldout_fraction=task_cfg.heldout_fraction, skipped_lines=skipped)
+                   heldout_fraction=task_cfg.heldout_fraction, skipped_lines=skipped,
+                   eval_examples=eval_examples)
 
 
 register_task(JsonlTask.name, _from_config)
