@@ -8,7 +8,8 @@ import pytest
 
 from configs.base import get_config
 from rl_jax.data.jsonl import DataError, read_jsonl, require_str
-from rl_jax.data.prompts import encode_prompt, heldout_records, make_prompt_source
+from rl_jax.data.prompts import (chat_format, encode_prompt, heldout_records,
+                                 make_prompt_source)
 from rl_jax.tasks.base import make_task
 
 
@@ -199,3 +200,39 @@ def test_missing_empty_and_unknown_inputs(tmp_path):
     read_jsonl(str(empty), parse=parse_prompt, on_bad_line="skip")
   with pytest.raises(DataError, match="data.on_bad_line"):
     read_jsonl(str(empty), parse=parse_prompt, on_bad_line="ignore")
+
+
+def test_chat_prompts_match_transformers_apply_chat_template(tmp_path):
+  import transformers
+  import tiny_hf
+  from rl_jax.model.tokenizer import HFTokenizer
+  tiny_hf.write_tokenizer(tmp_path / "tok")
+  tok = HFTokenizer(str(tmp_path / "tok"))
+  reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+  task = jsonl_task(tmp_path, n=40)
+  cfg = configs(chat=True, system_prompt="Be brief.", max_prompt_length=200)
+
+  def want(prompt):
+    ids = reference.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}],
+        tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"])
+
+  held = task.heldout_examples()
+  pairs = [(r, task.example(r["index"]))
+           for r in take(make_prompt_source(task, cfg.data, tok, seed=0), 5)]
+  pairs += [(r, held[r["index"]]) for r in heldout_records(task, cfg.data, tok)]
+  for record, example in pairs:
+    assert record["prompt_tokens"].tolist() == want(example.prompt)
+    assert not record["truncated"]
+  # Too long: the end (user turn and generation prompt) is kept, no bos is added.
+  short = configs(chat=True, system_prompt="Be brief.", max_prompt_length=12).data
+  tokens, truncated = encode_prompt("question 1?", tokenizer=tok, max_length=12,
+                                    chat=chat_format(short, tok))
+  assert truncated and tokens.tolist() == want("question 1?")[-12:]
+
+
+def test_chat_needs_a_template():
+  with pytest.raises(DataError, match="data.chat=True needs a tokenizer with a chat template"):
+    chat_format(configs(chat=True).data, TOK)
+  assert chat_format(configs().data, TOK) is None
