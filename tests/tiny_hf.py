@@ -57,6 +57,8 @@ LLAMA_STYLE = (
     "  {{ '<|start|>assistant<|sep|>\\n\\n' }}\n"
     "{% endif %}\n")
 
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "<|start|>", "<|sep|>",
             "<|eot|>"]
 CORPUS = [
@@ -72,10 +74,14 @@ def write_tokenizer(path, *, chat_template=CHATML, jinja=None, eos="<|im_end|>",
                     bos=None, generation_eos=("<|im_end|>", "<|endoftext|>")):
   """tokenizer.json, tokenizer_config.json (+ chat_template.jinja when `jinja`) and
   generation_config.json in `path`; returns the tokenizers.Tokenizer."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
   os.makedirs(path, exist_ok=True)
   tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  # Qwen2's pre-tokenizer: transformers builds a Qwen2Tokenizer (with this pattern) for a
+  # directory whose config.json says qwen2, so the reference must see the same one.
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

@@ -1,0 +1,117 @@
+"""configs/gsm8k_hf.py end to end on CPU: the path a GPU user takes, at toy sizes.
+
+A random Qwen2ForCausalLM written by transformers' save_pretrained, a BPE tokenizer with a
+ChatML chat template, GSM8K-shaped train (Parquet) and test (JSON lines) files; only the
+sizes are overridden.
+"""
+import contextlib
+import io
+import os
+import sys
+
+import pytest
+import transformers
+
+import tiny_hf
+from rl_jax import config as config_lib
+from rl_jax.orchestration import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "gsm8k_hf.py")
+CPU_SIZES = [
+    "--config.rl.total_steps=3", "--config.rl.groups_per_step=4", "--config.rl.group_size=4",
+    "--config.rl.eval_every=2", "--config.task.heldout_size=4",
+    "--config.trainer.micro_batch_size=8", "--config.trainer.length_buckets=(176,)",
+    "--config.data.max_prompt_length=160", "--config.sampler.max_prefill_length=160",
+    "--config.sampler.max_new_tokens=16", "--config.sampler.max_concurrent_decodes=16",
+    "--config.sampler.page_size=16", "--config.sampler.kv_cache_bytes=4194304",
+    "--config.sampler.steps_per_call=4", "--config.verifier.workers=2",
+    "--config.checkpoint.every=0", "--config.metrics.console=false",
+    "--config.metrics.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  root = tmp_path_factory.mktemp("gsm8k_hf")
+  tiny_hf.write_checkpoint(str(root / "ckpt"))
+  tiny_hf.write_parquet(root / "train.parquet", tiny_hf.gsm8k_rows(40))
+  tiny_hf.write_jsonl(root / "test.jsonl", tiny_hf.gsm8k_rows(6, start=100))
+  return root
+
+
+def _args(files, *extra, spec=CONFIG):
+  return ["--config", spec, f"--config.model.path={files / 'ckpt'}",
+          f"--config.task.path={files / 'train.parquet'}", *CPU_SIZES, *extra]
+
+
+def test_async_run_on_a_hugging_face_checkpoint(files, tmp_path):
+  cfg, _ = config_lib.parse_args(_args(files, f"--config.task.eval_path={files / 'test.jsonl'}"))
+  config_lib.validate(cfg)
+  pipe = loop.Pipeline(cfg, str(tmp_path))
+  rollouts = []
+  original = pipe._on_rollout_finished
+  pipe._on_rollout_finished = lambda r: (rollouts.append(r), original(r))
+  summary = pipe.run()
+  assert summary["mode"] == "async" and summary["optimizer_steps"] == 3
+  assert summary["policy_version"] == 3 and summary["rollouts_trained"] == 3 * 4 * 4
+  assert len(summary["heldout_curve"]) >= 2
+  # Numerics: fp32 master params, bf16 compute and sampler.
+  assert (pipe.model_cfg.param_dtype, pipe.model_cfg.dtype) == ("float32", "bfloat16")
+  assert str(pipe.engine.kv_dtype) == "bfloat16"
+  # Stop tokens: the template's <|im_end|> and generation_config's <|endoftext|>.
+  ref = transformers.AutoTokenizer.from_pretrained(str(files / "ckpt"))
+  assert set(pipe.engine.stop_ids) == {ref.convert_tokens_to_ids("<|im_end|>"),
+                                       ref.convert_tokens_to_ids("<|endoftext|>")}
+  # Prompts are the chat template of the checkpoint, as transformers renders it.
+  system = cfg.data.system_prompt
+  expected = {tuple(_chat_ids(ref, system, e.prompt)) for e in pipe.task.train_examples()}
+  assert rollouts and all(tuple(r.prompt_tokens.tolist()) in expected for r in rollouts)
+  assert all(e.prompt.endswith("holds only the final numeric answer.")
+             for e in pipe.task.train_examples())
+  held = pipe.task.heldout_examples()
+  assert [e.uid for e in held] == [f"gsm8k:test.jsonl:{i}" for i in range(1, 5)]
+  assert [list(p) for p in pipe.heldout_prompts] == [
+      _chat_ids(ref, system, e.prompt) for e in held]
+
+
+def _chat_ids(ref, system, prompt):
+  ids = ref.apply_chat_template(
+      [{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+      tokenize=True, add_generation_prompt=True)
+  return list(ids["input_ids"])
+
+
+def test_evaluate_on_the_test_split(files):
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  import evaluate
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    evaluate.main(["--hf", str(files / "ckpt"), "--config", CONFIG,
+                   f"--config.task.path={files / 'train.parquet'}",
+                   f"--config.task.eval_path={files / 'test.jsonl'}",
+                   "--config.task.heldout_size=1319", *CPU_SIZES[5:]])
+  assert "on 6 prompts (greedy)" in out.getvalue(), out.getvalue()
+
+
+def test_config_variants_and_one_line_errors(files):
+  cfg = config_lib.load_file(CONFIG + ":mode=sync,size=1.5b")
+  assert (cfg.rl.mode, cfg.model.preset, cfg.trainer.micro_batch_size) == (
+      "sync", "qwen2_1_5b", 8)
+  cfg = config_lib.load_file(CONFIG + ":devices=4")
+  assert (cfg.mesh.sampler.data, cfg.mesh.trainer.fsdp, cfg.trainer.micro_batch_size) == (4, 4, 64)
+  with pytest.raises(config_lib.ConfigError, match=r"unknown variant 'model'; known: mode"):
+    config_lib.load_file(CONFIG + ":model=x")
+  cfg, _ = config_lib.parse_args(["--config", CONFIG, f"--config.task.path={files / 'train.parquet'}"])
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"^config field 'model.path' is empty; .*--config.model.path="):
+    config_lib.validate(cfg, num_devices=1)
+  cfg.model.path = str(files / "nope")
+  with pytest.raises(config_lib.ConfigError, match=r"^config field 'model.path': checkpoint "
+                                                    r"directory '.*nope' does not exist$"):
+    config_lib.validate(cfg, num_devices=1)
+  cfg.model.path, cfg.task.path = str(files / "ckpt"), ""
+  with pytest.raises(config_lib.ConfigError, match=r"^config field 'task.path' is empty"):
+    config_lib.validate(cfg, num_devices=1)
+  cfg.task.path = str(files / "train.parquet")
+  config_lib.validate(cfg, num_devices=1)
