@@ -25,10 +25,20 @@ def _reference(path, chat):
   return text, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-@pytest.mark.parametrize("layout", ["chatml_in_config", "llama_style_jinja_file"])
+# transformers' assistant-mask tag and a tojson filter that must not escape HTML.
+GENERATION_TAG = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m | tojson }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("layout", ["chatml_in_config", "llama_style_jinja_file",
+                                    "generation_tag"])
 def test_render_and_tokens_match_transformers(layout, tmp_path):
   if layout == "chatml_in_config":
     tiny_hf.write_tokenizer(tmp_path)
+  elif layout == "generation_tag":
+    tiny_hf.write_tokenizer(tmp_path, chat_template=GENERATION_TAG)
   else:
     # Both places hold a template: the .jinja file wins, as in transformers.
     tiny_hf.write_tokenizer(tmp_path, jinja=tiny_hf.LLAMA_STYLE, bos="<s>")

@@ -22,9 +22,6 @@ import json
 import os
 from typing import Any, Sequence
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 
 TEMPLATE_FILE = "chat_template.jinja"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a template may read.
@@ -40,21 +37,8 @@ class ChatTemplateError(ValueError):
   """A chat template that cannot be read or rendered; the message names the file."""
 
 
-class _Generation(jinja2.ext.Extension):
-  """`{% generation %}...{% endgeneration %}`: transformers marks assistant spans with it;
-  the rendered text is just the body."""
-  tags = {"generation"}
-
-  def parse(self, parser):
-    lineno = next(parser.stream).lineno
-    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-  def _body(self, caller):
-    return caller()
-
-
 def _raise_exception(message):
+  import jinja2
   raise jinja2.exceptions.TemplateError(message)
 
 
@@ -68,9 +52,27 @@ def _strftime_now(fmt):
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+def _compile(source: str):
+  # jinja2 is imported here, so rl_jax.model imports without it (benchmark machines).
+  import jinja2
+  import jinja2.ext
+  import jinja2.sandbox
+
+  class Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks assistant spans with
+    it; the rendered text is just the body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
+      trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
@@ -93,6 +95,7 @@ class ChatTemplate:
     self.source = source
     self.special_tokens = dict(special_tokens)
     self.where = where
+    import jinja2
     try:
       _compile(source)
     except jinja2.TemplateSyntaxError as e:
@@ -101,6 +104,7 @@ class ChatTemplate:
   def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
              **kwargs) -> str:
     """The prompt text for `messages` ([{"role", "content"}, ...])."""
+    import jinja2
     variables = {**self.special_tokens, **kwargs}
     try:
       return _compile(self.source).render(
