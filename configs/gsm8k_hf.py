@@ -21,8 +21,8 @@ rl.eval_every steps), or set task.eval_path to the test split.
 Numerics: fp32 master weights and Adam moments, bf16 compute, bf16 sampler weights and
 KV cache. Sizes (per one GPU): prompts <= 384 tokens (longer ones dropped), completions
 <= 512, 32 prompts x 8 completions per optimizer step, 256 decode slots, a KV pool of
-8 GiB (0.5B) / 16 GiB (1.5B), micro-batches of 16 (0.5B) / 8 (1.5B) sequences with
-layer rematerialisation. Learning rate 2e-6 (0.5B) / 1e-6 (1.5B), clip 0.2 / 0.28
+4 GiB (0.5B) / 8 GiB (1.5B) (every slot at full length fits), micro-batches of 16 (0.5B)
+/ 8 (1.5B) sequences per chip with layer rematerialisation. Learning rate 2e-6 (0.5B) / 1e-6 (1.5B), clip 0.2 / 0.28
 (clip-higher), k3 KL to the initial policy with beta 0.001, truncated importance weights
 (cap 2) for the sampler/trainer mismatch of async and bf16 sampling.
 """
@@ -31,8 +31,8 @@ from configs import base
 _SIZES = {
     # preset (shape fallback only: model.path supplies the real config), micro-batch,
     # learning rate, KV pool bytes
-    "0.5b": ("qwen2_0_5b", 16, 2e-6, 8 * 2**30),
-    "1.5b": ("qwen2_1_5b", 8, 1e-6, 16 * 2**30),
+    "0.5b": ("qwen2_0_5b", 16, 2e-6, 4 * 2**30),
+    "1.5b": ("qwen2_1_5b", 8, 1e-6, 8 * 2**30),
 }
 SYSTEM_PROMPT = "You are a helpful assistant who solves grade-school math word problems."
 PROMPT_TEMPLATE = ("{question}\n\nReason step by step. End your reply with a line of the "
@@ -87,7 +87,8 @@ def get_config(arg=None):
   s.max_concurrent_decodes = 256
   s.page_size = 64
   s.num_pages = 0
-  s.kv_cache_bytes = kv_bytes
+  # Per sampler replica: with N data-parallel replicas each holds 1/N of the slots.
+  s.kv_cache_bytes = kv_bytes // devices
   s.max_prefill_length = c.data.max_prompt_length
   s.max_new_tokens = 512
   s.temperature = 1.0
