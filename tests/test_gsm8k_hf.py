@@ -5,9 +5,9 @@ ChatML chat template, GSM8K-shaped train (Parquet) and test (JSON lines) files; 
 sizes are overridden.
 """
 import contextlib
+import importlib.util
 import io
 import os
-import sys
 
 import pytest
 import transformers
@@ -83,8 +83,10 @@ def _chat_ids(ref, system, prompt):
 
 
 def test_evaluate_on_the_test_split(files):
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import evaluate
+  spec = importlib.util.spec_from_file_location("rl_jax_launch_evaluate",
+                                                os.path.join(ROOT, "launch", "evaluate.py"))
+  evaluate = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(evaluate)
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     evaluate.main(["--hf", str(files / "ckpt"), "--config", CONFIG,

@@ -20,9 +20,10 @@ writes any bos it wants, as transformers' apply_chat_template(tokenize=True) doe
 prompt of more than data.max_prompt_length tokens is either truncated to its LAST
 max_prompt_length - 1 tokens after the bos (the end holds the question and the answer
 cue such as "=" or "Answer:", which the completion has to follow; a chat prompt keeps
-its last max_prompt_length tokens) or dropped, per data.on_long_prompt. Counters (`PromptSource.counters`) count records as they are
-consumed: truncated, dropped, plus skipped_lines reported by the task's file reader.
-They are part of the saved state, so a resumed run continues them.
+its last max_prompt_length tokens) or dropped, per data.on_long_prompt. Counters
+(`PromptSource.counters`) count records as they are consumed: truncated, dropped, plus
+skipped_lines reported by the task's file reader. They are part of the saved state, so a
+resumed run continues them.
 
 The tokenizer is duck-typed: encode(text, add_bos=False) -> list[int], bos_id, eos_id,
 and for data.chat apply_chat_template(messages) -> str.
