@@ -22,9 +22,10 @@ Numerics: fp32 master weights and Adam moments, bf16 compute, bf16 sampler weigh
 KV cache. Sizes (per one GPU): prompts <= 384 tokens (longer ones dropped), completions
 <= 512, 32 prompts x 8 completions per optimizer step, 256 decode slots, a KV pool of
 4 GiB (0.5B) / 8 GiB (1.5B) (every slot at full length fits), micro-batches of 16 (0.5B)
-/ 8 (1.5B) sequences per chip with layer rematerialisation. Learning rate 2e-6 (0.5B) / 1e-6 (1.5B), clip 0.2 / 0.28
-(clip-higher), k3 KL to the initial policy with beta 0.001, truncated importance weights
-(cap 2) for the sampler/trainer mismatch of async and bf16 sampling.
+/ 8 (1.5B) sequences per chip with layer rematerialisation. Learning rate 2e-6 (0.5B) /
+1e-6 (1.5B) after 10 warm-up steps, clip 0.2 / 0.28 (clip-higher), k3 KL to the initial
+policy with beta 0.001, truncated importance weights (cap 2) for the sampler/trainer
+mismatch of async and bf16 sampling, a 0.1 format bonus for the '#### <number>' line.
 """
 from configs import base
 
