@@ -38,18 +38,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rl_jax import config as config_lib
+from rl_jax.errors import UserError
 
 ARRAY_ITEMS = ("params", "opt_state", "ref_params")
-# Config fields a resumed run must share with its checkpoint: they define the model's
-# shapes, the prompt stream the saved iterator state indexes into, and the sampling seeds.
-# task.heldout_size only changes the evaluation set and remat only what the backward pass
-# recomputes, so they may differ.
-_MUST_MATCH = ("seed", "model.", "task.", "data.")
-_MAY_DIFFER = ("task.heldout_size", "model.remat")
+# Config fields a resumed run must share with its checkpoint: config.resume_must_match.
 _MODEL_MAY_DIFFER = ("remat",)
 
 
-class RestoreError(RuntimeError):
+class RestoreError(UserError, RuntimeError):
   """A checkpoint that cannot be used: one sentence naming the step, file or field."""
 
 
@@ -139,9 +135,7 @@ def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
     old, new = old_run.get(key), new_run.get(key)
     if _canonical(old) == _canonical(new):
       continue
-    strict = key not in _MAY_DIFFER and any(
-        key == p or (p.endswith(".") and key.startswith(p)) for p in _MUST_MATCH)
-    if strict:
+    if config_lib.resume_must_match(key):
       raise RestoreError(
           f"{where} was written with {key}={old!r} but this config has {key}={new!r}; "
           "the saved state only continues a run with the same value (or use a new --workdir)")

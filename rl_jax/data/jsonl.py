@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any, Callable, TypeVar
 
+from rl_jax.errors import UserError
+
 T = TypeVar("T")
 ON_BAD_LINE = ("skip", "fail")
 _LOGGED_BAD_LINES = 3
@@ -19,7 +21,7 @@ _LOGGED_BAD_LINES = 3
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """Input data is missing, empty or malformed."""
 
 

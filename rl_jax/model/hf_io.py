@@ -26,6 +26,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from rl_jax.errors import UserError
 from rl_jax.model.presets import ModelConfig
 from rl_jax.model.transformer import init_params
 
@@ -34,7 +35,7 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint rl_jax cannot read: the message names the file, field or tensor."""
 
 
