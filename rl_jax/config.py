@@ -206,14 +206,6 @@ def parse_args(argv: Sequence[str], default_config: str | None = None):
   return cfg, rest
 
 
-def parse_args_or_exit(argv: Sequence[str]):
-  """parse_args for launch scripts: a user mistake exits with one `error:` line."""
-  try:
-    return parse_args(argv)
-  except ConfigError as e:
-    sys.exit(f"error: {e}")
-
-
 def _require(cond: bool, msg: str) -> None:
   if not cond:
     raise ConfigError(msg)
@@ -344,7 +336,8 @@ def check_inputs(cfg) -> None:
 
 def _readable_file(field: str, path: str) -> None:
   _require(bool(path), f"config field {field!r} must name a file")
-  _require(os.path.isfile(path), f"config field {field!r}: file {path!r} does not exist")
+  _require(os.path.exists(path), f"config field {field!r}: file {path!r} does not exist")
+  _require(os.path.isfile(path), f"config field {field!r}: {path!r} is not a regular file")
   try:
     with open(path, "rb"):
       pass

@@ -153,12 +153,12 @@ def _read_holder(fd: int) -> str:
 
 
 def _create(workdir: str) -> None:
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(f"workdir {workdir} exists and is not a directory")
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise WorkdirError(f"workdir {workdir} cannot be created ({e.strerror})") from None
-  if not os.path.isdir(workdir):
-    raise WorkdirError(f"workdir {workdir} exists and is not a directory")
 
 
 def clear(workdir: str) -> None:

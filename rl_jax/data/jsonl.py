@@ -39,7 +39,7 @@ def read_jsonl(path: str, *, parse: Callable[[dict[str, Any], int], T],
     raise DataError("no data file given (task.path is empty).")
   if not os.path.isfile(path):
     raise DataError(f"data file {path!r} does not exist.")
-  records, skipped = [], 0
+  records, skipped, bad = [], 0, []
   with open(path, "rb") as f:
     for line_no, raw in enumerate(f, start=1):
       try:
@@ -62,12 +62,15 @@ def read_jsonl(path: str, *, parse: Callable[[dict[str, Any], int], T],
           raise DataError(message + " (set data.on_bad_line='skip' to skip bad lines).")
         skipped += 1
         if skipped <= _LOGGED_BAD_LINES:
-          log.warning("skipping %s", message)
+          bad.append(message)
+  if not records:  # one line: the first bad line says what is wrong with the file
+    first = f"; the first: {bad[0]}" if bad else ""
+    raise DataError(f"data file {path!r} contains no valid records "
+                    f"({skipped} bad lines{first}).")
+  for message in bad:
+    log.warning("skipping %s", message)
   if skipped > _LOGGED_BAD_LINES:
     log.warning("skipped %d bad lines in %s", skipped, path)
-  if not records:
-    raise DataError(f"data file {path!r} contains no valid records "
-                    f"({skipped} bad lines skipped).")
   return records, skipped
 
 
