@@ -5,6 +5,7 @@ Most cases run launch/train.py's main in-process (the errors fire before any dev
 a few run the real script in a subprocess to see the exit status and the whole stderr.
 """
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -197,3 +198,20 @@ def test_other_launch_scripts_are_one_line(train, files, capsys, script, args, w
   assert status == cli.EXIT_ERROR and line.startswith("error: "), line
   for w in words:
     assert w in line, line
+
+
+def test_train_refuses_a_workdir_of_another_run_and_a_locked_one(train, files, capsys):
+  from rl_jax import workdir as workdir_lib
+  run = files / "other"
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"seed": 7, "rl": {"mode": "async"}}))
+  (run / "metrics.jsonl").write_text('{"step": 1}\n')
+  assert train.main(["--config", DEFAULT, "--workdir", str(run)]) == cli.EXIT_ERROR
+  line = _stderr_line(capsys)
+  assert "holds another run" in line and "seed=7" in line and "--overwrite" in line, line
+  lock = workdir_lib.Lock(str(run)).acquire()
+  try:
+    assert train.main(["--config", DEFAULT, "--workdir", str(run)]) == cli.EXIT_ERROR
+    assert f"in use by another run (pid {os.getpid()}" in _stderr_line(capsys)
+  finally:
+    lock.release()
