@@ -159,7 +159,9 @@ def test_adversarial_completions_are_cheap():
     countdown.reward(COUNTDOWN, text)
     arithmetic.reward(Example("u", "1+1=", "2"), text)
     answers.extract_final_answer(text)
-  assert time.perf_counter() - start < 5.0
+  # Linear scans take well under a second here; a quadratic one over 10**6 characters takes
+  # hours. The bound sits between the two, far from both, so machine load cannot flip it.
+  assert time.perf_counter() - start < 120.0
 
 
 @pytest.mark.parametrize("text, expected", [
