@@ -203,7 +203,10 @@ def check_contents(workdir: str, cfg) -> None:
 
 def claim(workdir: str, cfg, *, overwrite: bool = False, environ=None) -> Lock | None:
   """Creates, locks and checks `workdir` for a run of `cfg` (module docstring); the held
-  Lock (None in processes other than 0), released by `Lock.release` or at exit."""
+  Lock (None in processes other than 0, and for object-store URLs such as gs://..., which
+  hold no lock files), released by `Lock.release` or at exit."""
+  if "://" in workdir:
+    return None
   _create(workdir)
   lock = Lock(workdir).acquire() if process_rank(environ) == 0 else None
   try:
