@@ -10,8 +10,9 @@ plain JAX. Each figure is measured on the device the suite runs on, at the suite
   decode-paged-gather   the same step over a paged cache k/v_lnkpd [L, pages, KVH, PAGE, HD]
                         read through a page table (gather, then dense attention)
   train-step-fp32-params  a GRPO-shaped update: fp32 master params cast to DTYPE, forward
-                        over [TRAIN_B, TRAIN_T], token log-probs, the clipped ratio loss
-                        -mean(A * r * m) with r = exp(logp - stop_gradient(logp)), and Adam
+                        over [TRAIN_B, TRAIN_T] (layers rematerialised), token log-probs,
+                        the ratio loss -mean(A * r * m) with r = exp(logp - stop_gradient(
+                        logp)), and Adam
   param-copy-d2d        a jitted copy of the DTYPE weights (read + write bytes / time)
 
 It follows the anchor contract of rl_jax/bench/anchor.py: the shapes are module constants
@@ -146,29 +147,35 @@ def make_decoder(read, write):
   return jax.jit(run, donate_argnums=(2,))
 
 
-def forward(p, tok_bt):
-  """Logits [B, T, V] with causal attention (training: no cache)."""
-  b, t = tok_bt.shape
+def train_layer(p, i, x):
+  """Layer i over a whole sequence x [B, T, D] with causal attention."""
+  b, t, _ = x.shape
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  h = rms(x, p["ln1"][i])
+  q = rope((h @ p["wq"][i]).reshape(b, t, H, HD), pos)
+  k = rope((h @ p["wk"][i]).reshape(b, t, KVH, HD), pos)
+  v = (h @ p["wv"][i]).reshape(b, t, KVH, HD)
+  q = q.reshape(b, t, KVH, H // KVH, HD).astype(jnp.float32)
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32)) / np.sqrt(HD)
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e30)
+  o = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
+  return mlp(p, i, x + o.reshape(b, t, H * HD).astype(x.dtype) @ p["wo"][i])
+
+
+def forward(p, tok_bt, remat=False):
+  """Logits [B, T, V] (training: no cache); `remat` recomputes each layer in the backward
+  pass instead of keeping its [B, KVH, G, T, T] attention weights."""
+  layer = jax.checkpoint(train_layer, static_argnums=(1,)) if remat else train_layer
   x = p["embed"][tok_bt]
-  causal = jnp.tril(jnp.ones((t, t), bool))
   for i in range(L):
-    h = rms(x, p["ln1"][i])
-    q = rope((h @ p["wq"][i]).reshape(b, t, H, HD), pos)
-    k = rope((h @ p["wk"][i]).reshape(b, t, KVH, HD), pos)
-    v = (h @ p["wv"][i]).reshape(b, t, KVH, HD)
-    q = q.reshape(b, t, KVH, H // KVH, HD).astype(jnp.float32)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32)) / np.sqrt(HD)
-    s = jnp.where(causal, s, -1e30)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
-    x = mlp(p, i, x + o.reshape(b, t, H * HD).astype(x.dtype) @ p["wo"][i])
+    x = layer(p, i, x)
   return (rms(x, p["norm"]) @ p["head"]).astype(jnp.float32)
 
 
 def train_step(master, m, v, tok_bt, adv_b, mask_bt, lr=1e-5):
   """One GRPO-shaped Adam update of fp32 master params; returns (master, m, v, loss)."""
   def loss_fn(w):
-    logits = forward(jax.tree.map(lambda x: x.astype(DTYPE), w), tok_bt)
+    logits = forward(jax.tree.map(lambda x: x.astype(DTYPE), w), tok_bt, remat=True)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tok_bt[:, 1:, None], -1)[..., 0]
     ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))
     mk = mask_bt[:, 1:]
