@@ -29,6 +29,8 @@ def _ints(text, flag, auto=False):
 
 
 def _main(argv):
+  if cli.print_help(argv, __doc__):
+    return 0
   cfg, rest = config_lib.parse_args(argv)
   config_lib.check_domains(cfg)
   config_lib.check_inputs(cfg)

@@ -19,6 +19,8 @@ from rl_jax import config as config_lib  # noqa: E402
 
 
 def _main(argv):
+  if cli.print_help(argv, __doc__):
+    return 0
   cfg, rest = config_lib.parse_args(argv)
   config_lib.check_domains(cfg)
   config_lib.check_inputs(cfg)

@@ -21,6 +21,8 @@ from rl_jax import workdir as workdir_lib  # noqa: E402
 
 
 def _main(argv):
+  if cli.print_help(argv, __doc__):
+    return 0
   cfg, rest = config_lib.parse_args(argv)
   parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--workdir", default="runs/default")

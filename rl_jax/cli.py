@@ -44,6 +44,15 @@ class ArgumentParser(argparse.ArgumentParser):
     sys.exit(EXIT_USAGE)
 
 
+def print_help(argv: Sequence[str], doc: str) -> bool:
+  """Prints `doc` when argv asks for help (-h/--help): for scripts that read --config
+  before their argparse flags, so help works without a config."""
+  if "-h" in argv or "--help" in argv:
+    print(doc.strip())
+    return True
+  return False
+
+
 def one_line(text: str) -> str:
   """`text` with its lines joined by " | " (a message must fit one stderr line)."""
   lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]

@@ -387,7 +387,8 @@ def _check_cross_fields(cfg) -> None:
            f"sampler.max_new_tokens = {need_len}; largest is {max(t.length_buckets)}")
   if cfg.verifier.latency == "pareto":
     _require(cfg.verifier.latency_alpha > 1.0,
-             f"config field 'verifier.latency_alpha' must be > 1 for a finite-mean Pareto; got {cfg.verifier.latency_alpha}")
+             "config field 'verifier.latency_alpha' must be > 1 for a finite-mean Pareto; "
+             f"got {cfg.verifier.latency_alpha}")
 
 
 def _check_mesh(cfg, sharding, num_devices: int | None) -> None:
