@@ -8,7 +8,9 @@
      A second run on the same workdir is refused with one line naming the holder. A lock
      file left by a dead process is simply locked again (its content is overwritten).
      Multi-process runs lock in process 0 only (the others run the same command).
-  3. Identity: a workdir whose config.json differs from `cfg` in a field that defines the
+  3. Identity: a workdir holding results (metrics rows, a checkpoint or summary.json; a
+     config.json alone is what a run that failed at start-up leaves, and is replaced)
+     whose config.json differs from `cfg` in a field that defines the
      run (`defines_run`: seed, model.*, task.*, data.* except task.heldout_size and
      model.remat, as for resuming from a checkpoint, plus rl.mode) is refused. A workdir
      with a checkpoint to resume from is checked against the checkpoint instead, when
@@ -176,6 +178,10 @@ def check_contents(workdir: str, cfg) -> None:
   """WorkdirError when `workdir` holds another run or rows that cannot be continued."""
   config_path = os.path.join(workdir, "config.json")
   hint = "use another --workdir, or pass --overwrite to delete that run's files and start over"
+  rows = count_rows(os.path.join(workdir, "metrics.jsonl"))
+  if not (rows or has_checkpoint(workdir) or
+          os.path.exists(os.path.join(workdir, "summary.json"))):
+    return  # at most the config.json of a run that failed before its first result
   resumable = has_checkpoint(workdir) and cfg.checkpoint.every > 0
   # With a checkpoint to resume from, the checkpoint's own config decides
   # (checkpoint.check_workdir, naming the model field that differs).
@@ -190,7 +196,6 @@ def check_contents(workdir: str, cfg) -> None:
       key, old, new = diff
       raise WorkdirError(f"workdir {workdir} holds another run: its config.json has "
                          f"{key}={old!r} but this config has {key}={new!r}; {hint}")
-  rows = count_rows(os.path.join(workdir, "metrics.jsonl"))
   if not rows:
     return
   if not has_checkpoint(workdir):

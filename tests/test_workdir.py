@@ -92,6 +92,17 @@ def test_workdir_holding_another_run_is_refused_unless_overwrite(tmp_path):
   assert sorted(os.listdir(run)) == ["notes.txt"]  # only the run's own files go
 
 
+def test_config_of_a_run_that_failed_at_start_up_is_no_run(tmp_path):
+  """A run that stopped before its first result left only config.json: the corrected
+  command may use the workdir (the bad task.path is exactly what differs)."""
+  _write_run(str(tmp_path), _cfg(**{"task__path": "typo.jsonl"}), rows=0)
+  os.unlink(tmp_path / "metrics.jsonl")
+  workdir_lib.claim(str(tmp_path), _cfg(**{"task__path": "data.jsonl"})).release()
+  (tmp_path / "summary.json").write_text("{}")  # a finished run is a run
+  with pytest.raises(WorkdirError, match="task.path='typo.jsonl'"):
+    workdir_lib.claim(str(tmp_path), _cfg(**{"task__path": "data.jsonl"}))
+
+
 def test_rows_without_a_checkpoint_to_resume_are_refused(tmp_path):
   run = str(tmp_path)
   cfg = _cfg()
