@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rl_jax import cli  # noqa: E402  (imports no jax)
 from rl_jax.bench import options  # noqa: E402  (argparse only, imports no jax)
 
 
@@ -77,9 +78,9 @@ def suite(args):
   sys.exit(suite_lib.main(args))
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv):
+  parser = cli.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("train", help=train.__doc__)
   p.add_argument("--preset", default="tiny_char")
@@ -114,8 +115,12 @@ def main(argv=None):
   options.add_suite_args(p)
   p.set_defaults(fn=suite)
   args = parser.parse_args(argv)
-  args.fn(args)
+  return args.fn(args)
+
+
+def main(argv=None):
+  return cli.run(_main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -7,7 +7,6 @@ held-out reward, taken as the mean of its last three evaluations because one eva
 is noisy; time to target = pipeline time of a run's first evaluation at or above it;
 speedup = sync's time to target / async's.
 """
-import argparse
 import os
 import subprocess
 import sys
@@ -15,20 +14,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from rl_jax import cli  # noqa: E402
 from rl_jax import report  # noqa: E402
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__)
+def _main(argv):
+  p = cli.ArgumentParser(description=__doc__)
   p.add_argument("--config", required=True)
   p.add_argument("--workdir", default="runs/compare")
-  args, overrides = p.parse_known_args()
+  args, overrides = p.parse_known_args(argv)
   for mode in ("sync", "async"):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", args.config,
            *overrides, f"--config.rl.mode={mode}", "--workdir", os.path.join(args.workdir, mode)]
     print("running:", " ".join(cmd), flush=True)
-    if subprocess.call(cmd) != 0:
-      sys.exit(f"error: the {mode} run failed")
+    status = subprocess.call(cmd)
+    if status != 0:  # train.py printed why
+      print(f"error: the {mode} run failed (exit status {status})", file=sys.stderr)
+      return status
   runs = [report.load_run(os.path.join(args.workdir, m)) for m in ("sync", "async")]
   sync, async_ = (r["summary"] for r in runs)
   target = report.final_reward(sync["heldout_curve"])
@@ -46,5 +48,9 @@ def main():
   print(f"report: {path}")
 
 
+def main(argv=None):
+  return cli.run(_main, sys.argv[1:] if argv is None else argv)
+
+
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -13,12 +13,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl_jax import config as config_lib  # noqa: E402  (imports no jax)
+from rl_jax import cli  # noqa: E402  (imports no jax)
+from rl_jax import config as config_lib  # noqa: E402
 
 
-def main(argv):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv):
+  parser = cli.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--workdir", help="a launch/train.py --workdir with checkpoints")
   source.add_argument("--hf", help="a Hugging Face checkpoint directory")
@@ -37,36 +38,36 @@ def main(argv):
       config_lib.apply_override(cfg, *arg[len("--config."):].split("=", 1))
     return cfg
 
-  try:
-    if args.hf:
-      if not args.config:
-        raise config_lib.ConfigError("--hf needs --config for the task and sampler settings")
-      cfg = override(config_lib.load_file(args.config))
-      cfg.model.path = args.hf
-      runtime.prepare_host_devices(cfg)  # before jax starts: CPU runs get fake devices
-      model_cfg, params = model_lib.from_pretrained(args.hf, dtype=cfg.model.param_dtype)
-      has_tokenizer = os.path.exists(os.path.join(args.hf, "tokenizer.json"))
-      tokenizer = model_lib.load_tokenizer(model_cfg, path=args.hf if has_tokenizer else "")
-      what = args.hf
-    else:
-      # The device count comes from the run's config.json: reading the checkpoint starts jax.
-      with open(os.path.join(args.workdir, "config.json")) as f:
-        runtime.prepare_host_devices(override(checkpoint_lib.run_config_from_dict(json.load(f))))
-      step, params, saved = checkpoint_lib.Checkpointer(
-          args.workdir, read_only=True).restore_params(args.step)
-      cfg = override(checkpoint_lib.run_config_from_dict(saved["run"]))
-      model_cfg = checkpoint_lib.model_config_from_dict(saved["model"])
-      tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
-      what = f"{args.workdir} step {step}"
-    config_lib.validate(cfg)
-    from rl_jax.orchestration import loop
-    result = loop.evaluate_params(cfg, model_cfg, params, tokenizer)
-  except (config_lib.ConfigError, checkpoint_lib.RestoreError, model_lib.CheckpointError,
-          OSError, ValueError) as e:
-    sys.exit(f"error: {e}")
+  if args.hf:
+    if not args.config:
+      raise config_lib.ConfigError("--hf needs --config for the task and sampler settings")
+    cfg = override(config_lib.load_file(args.config))
+    cfg.model.path = args.hf
+    runtime.prepare_host_devices(cfg)  # before jax starts: CPU runs get fake devices
+    model_cfg, params = model_lib.from_pretrained(args.hf, dtype=cfg.model.param_dtype)
+    has_tokenizer = os.path.exists(os.path.join(args.hf, "tokenizer.json"))
+    tokenizer = model_lib.load_tokenizer(model_cfg, path=args.hf if has_tokenizer else "")
+    what = args.hf
+  else:
+    # The device count comes from the run's config.json: reading the checkpoint starts jax.
+    with open(os.path.join(args.workdir, "config.json")) as f:
+      runtime.prepare_host_devices(override(checkpoint_lib.run_config_from_dict(json.load(f))))
+    step, params, saved = checkpoint_lib.Checkpointer(
+        args.workdir, read_only=True).restore_params(args.step)
+    cfg = override(checkpoint_lib.run_config_from_dict(saved["run"]))
+    model_cfg = checkpoint_lib.model_config_from_dict(saved["model"])
+    tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
+    what = f"{args.workdir} step {step}"
+  config_lib.validate(cfg)
+  from rl_jax.orchestration import loop
+  result = loop.evaluate_params(cfg, model_cfg, params, tokenizer)
   print(f"held-out reward {result['reward_mean']:.4f} accuracy {result['accuracy']:.4f} "
         f"on {result['n']} prompts (greedy) of {what}")
 
 
+def main(argv):
+  return cli.run(_main, argv)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main(sys.argv[1:]))

@@ -13,13 +13,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rl_jax import cli  # noqa: E402  (imports no jax)
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "chat_template.jinja")
 
 
-def main(argv):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv):
+  parser = cli.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="a launch/train.py --workdir")
   parser.add_argument("--out", required=True, help="directory to write")
   parser.add_argument("--step", type=int, default=None, help="default: the newest")
@@ -27,19 +29,20 @@ def main(argv):
   # Host-only work: the checkpoint is read onto the CPU whatever accelerator is present.
   from rl_jax import checkpoint as checkpoint_lib
   from rl_jax import model as model_lib
-  try:
-    ck = checkpoint_lib.Checkpointer(args.workdir, read_only=True)
-    step, params, config = ck.restore_params(args.step)
-    model_cfg = checkpoint_lib.model_config_from_dict(config["model"])
-    model_lib.save_pretrained(args.out, model_cfg, params)
-    source = config["run"]["model"]["path"]
-    for name in _TOKENIZER_FILES:
-      if source and os.path.exists(os.path.join(source, name)):
-        shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
-  except (checkpoint_lib.RestoreError, OSError) as e:
-    sys.exit(f"error: {e}")
+  ck = checkpoint_lib.Checkpointer(args.workdir, read_only=True)
+  step, params, config = ck.restore_params(args.step)
+  model_cfg = checkpoint_lib.model_config_from_dict(config["model"])
+  model_lib.save_pretrained(args.out, model_cfg, params)
+  source = config["run"]["model"]["path"]
+  for name in _TOKENIZER_FILES:
+    if source and os.path.exists(os.path.join(source, name)):
+      shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
   print(f"exported step {step} of {args.workdir} to {args.out}")
 
 
+def main(argv):
+  return cli.run(_main, argv)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main(sys.argv[1:]))

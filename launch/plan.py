@@ -9,12 +9,12 @@
 --validate compares the prediction for that run's own configuration with what it observed.
 --sweep-inflight takes rl.max_inflight_groups values; auto = (max_staleness + 1) * groups_per_step.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rl_jax import cli  # noqa: E402
 from rl_jax import config as config_lib  # noqa: E402
 from rl_jax import planner  # noqa: E402
 
@@ -28,13 +28,13 @@ def _ints(text, flag, auto=False):
              f"got {text!r}")
 
 
-def main(argv):
-  try:
-    cfg, rest = config_lib.parse_args(argv)
-  except config_lib.ConfigError as e:
-    sys.exit(f"error: {e}")
-  p = argparse.ArgumentParser(description=__doc__)
-  p.error = lambda msg: sys.exit(f"error: {msg}")  # one line, like every other mistake
+def _main(argv):
+  if cli.print_help(argv, __doc__):
+    return 0
+  cfg, rest = config_lib.parse_args(argv)
+  config_lib.check_domains(cfg)
+  config_lib.check_inputs(cfg)
+  p = cli.ArgumentParser(description=__doc__)
   p.add_argument("--devices", type=int)
   p.add_argument("--profile")
   p.add_argument("--validate")
@@ -46,26 +46,27 @@ def main(argv):
   args = p.parse_args(rest)
   if args.devices is None and not args.validate:
     sys.exit("error: --devices is required (the cluster size to plan for)")
-  try:
-    profile = None
-    if args.profile:
-      _, profile = planner.load_profile(args.profile, cfg=cfg, flag="--profile")
-    if args.validate:
-      pilot, fitted = planner.load_profile(args.validate, cfg=cfg, flag="--validate")
-      print(f"validating against {args.validate} ({pilot.cfg.rl.mode} mode)")
-      print(planner.format_validation(planner.validate(pilot, profile or fitted)))
-      return
-    result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
-                          staleness_values=_ints(args.sweep_staleness, "--sweep-staleness"),
-                          inflight_values=_ints(args.sweep_inflight, "--sweep-inflight", auto=True),
-                          max_discard_rate=args.max_discard)
-  except (planner.PlanError, planner.ProfileError, config_lib.ConfigError) as e:
-    sys.exit(f"error: {e}")
+  profile = None
+  if args.profile:
+    _, profile = planner.load_profile(args.profile, cfg=cfg, flag="--profile")
+  if args.validate:
+    pilot, fitted = planner.load_profile(args.validate, cfg=cfg, flag="--validate")
+    print(f"validating against {args.validate} ({pilot.cfg.rl.mode} mode)")
+    print(planner.format_validation(planner.validate(pilot, profile or fitted)))
+    return 0
+  result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
+                        staleness_values=_ints(args.sweep_staleness, "--sweep-staleness"),
+                        inflight_values=_ints(args.sweep_inflight, "--sweep-inflight", auto=True),
+                        max_discard_rate=args.max_discard)
   print(planner.format_plan(result))
   if result.recommended is not None:
     print("run it with: " + " ".join(planner.overrides(cfg, result.recommended)))
   print(f"plot: {planner.plot_plan(result, os.path.join(args.out, 'plan.png'))}")
 
 
+def main(argv):
+  return cli.run(_main, argv)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main(sys.argv[1:]))

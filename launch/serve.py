@@ -9,18 +9,22 @@ rl_jax.model.save_pretrained) or, without one, the model.preset with random weig
 on one data replica with mesh.sampler.tensor-way tensor parallelism. Requests are
 decoded greedily unless --temperature > 0.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl_jax import config as config_lib  # noqa: E402  (imports no jax)
+from rl_jax import cli  # noqa: E402  (imports no jax)
+from rl_jax import config as config_lib  # noqa: E402
 
 
-def main(argv):
-  cfg, rest = config_lib.parse_args_or_exit(argv)
-  parser = argparse.ArgumentParser(description=__doc__)
+def _main(argv):
+  if cli.print_help(argv, __doc__):
+    return 0
+  cfg, rest = config_lib.parse_args(argv)
+  config_lib.check_domains(cfg)
+  config_lib.check_inputs(cfg)
+  parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--port", type=int, default=9000)
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--top-k", type=int, default=0)
@@ -54,5 +58,9 @@ def main(argv):
     pass
 
 
+def main(argv):
+  return cli.run(_main, argv)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main(sys.argv[1:]))

@@ -1,47 +1,65 @@
 """Train a policy with synchronous or asynchronous GRPO.
 
   python launch/train.py --config configs/default.py [--workdir runs/x] [--config.rl.mode=sync]
+      [--overwrite] [--debug]
 
 With --config.checkpoint.every=N the run checkpoints to <workdir>/checkpoints, and the same
-command with the same --workdir resumes from the newest checkpoint. SIGTERM saves and exits
-with status 0 within checkpoint.grace_period_s; any failure exits non-zero with one line.
+command with the same --workdir resumes from the newest checkpoint. A workdir belongs to
+one run (rl_jax/workdir.py): a second run on it is refused while the first holds its lock,
+and a workdir holding another run's files is refused unless --overwrite deletes them.
+Exit status (rl_jax/cli.py): 0 done; 1 with one `error:` line (--debug adds the
+traceback); 143 after SIGTERM (preempted: rerun the same command to resume).
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl_jax import config as config_lib  # noqa: E402  (imports no jax)
+from rl_jax import cli  # noqa: E402  (imports no jax)
+from rl_jax import config as config_lib  # noqa: E402
+from rl_jax import workdir as workdir_lib  # noqa: E402
 
 
-def main(argv):
-  cfg, rest = config_lib.parse_args_or_exit(argv)
-  parser = argparse.ArgumentParser(description=__doc__)
+def _main(argv):
+  if cli.print_help(argv, __doc__):
+    return 0
+  cfg, rest = config_lib.parse_args(argv)
+  parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--workdir", default="runs/default")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="delete the run files already in --workdir and start over")
   args = parser.parse_args(rest)
+  config_lib.check_domains(cfg)  # the checks that need no devices, before jax starts
+  config_lib.check_inputs(cfg)
+  lock = workdir_lib.claim(args.workdir, cfg, overwrite=args.overwrite)
   from rl_jax.orchestration import runtime
   runtime.prepare_host_devices(cfg)  # before jax initialises: CPU runs get fake devices
+  from rl_jax.orchestration import loop
   try:
-    from rl_jax.orchestration import loop
     summary = loop.run(cfg, args.workdir)
-  except (config_lib.ConfigError, loop.RunError) as e:
-    sys.exit(f"error: {e}")
+  except loop.RunError as e:
+    raise cli.UserError(str(e)) from e
   except loop.Preempted as e:
     print(e, flush=True)
-    return
-  except KeyboardInterrupt:
-    sys.exit("interrupted")
+    return cli.EXIT_PREEMPTED
+  finally:
+    if lock is not None:
+      lock.release()
   if "wall_time_s" not in summary:  # a follower process of a multi-process run
     print(f"done: process {summary['process_index']} followed process 0 for "
           f"{summary['optimizer_steps']} optimizer steps", flush=True)
-    return
+    return 0
   lost = summary["groups_lost_on_resume"]
   print(f"done: held-out reward {summary['heldout_reward_initial']:.3f} -> "
         f"{summary['heldout_reward_final']:.3f} in {summary['wall_time_s']:.0f}s"
         f"{f'; {lost} groups lost on resume' if summary['resumes'] else ''}; "
         f"summary in {os.path.join(args.workdir, 'summary.json')}")
+  return 0
+
+
+def main(argv):
+  return cli.run(_main, argv)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main(sys.argv[1:]))

@@ -21,7 +21,14 @@ invisible here and removed at the next start. Restore also recomputes
   fingerprint(x) = sum over elements of x's bit pattern as an unsigned integer, mod 2**32
 
 for every array leaf and compares it with the value recorded at save time. A step that
-cannot be read or does not match is skipped with a warning in favour of the next older one.
+cannot be read or does not match is skipped with a warning in favour of the next older one,
+and is deleted and written again when the run saves that step number again.
+
+Commit tracking: `last_committed_step()` is the newest step whose write has finished (a
+background save counts once orbax has renamed it into place), never one merely started.
+A write that fails (disk full, permissions) raises SaveError at the call that finds out
+(the next save, wait or close): one line naming the failed step and the newest complete
+one; orbax's own tracebacks of the failure are not printed.
 """
 from __future__ import annotations
 
@@ -38,19 +45,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rl_jax import config as config_lib
+from rl_jax.errors import UserError
 
 ARRAY_ITEMS = ("params", "opt_state", "ref_params")
-# Config fields a resumed run must share with its checkpoint: they define the model's
-# shapes, the prompt stream the saved iterator state indexes into, and the sampling seeds.
-# task.heldout_size only changes the evaluation set and remat only what the backward pass
-# recomputes, so they may differ.
-_MUST_MATCH = ("seed", "model.", "task.", "data.")
-_MAY_DIFFER = ("task.heldout_size", "model.remat")
+# Config fields a resumed run must share with its checkpoint: config.resume_must_match.
 _MODEL_MAY_DIFFER = ("remat",)
 
 
-class RestoreError(RuntimeError):
+class RestoreError(UserError, RuntimeError):
   """A checkpoint that cannot be used: one sentence naming the step, file or field."""
+
+
+class SaveError(UserError, RuntimeError):
+  """A checkpoint could not be written (disk full, permissions, ...): one sentence naming
+  the step that failed and the newest step that is complete on disk."""
 
 
 def directory(workdir: str) -> str:
@@ -139,9 +147,7 @@ def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
     old, new = old_run.get(key), new_run.get(key)
     if _canonical(old) == _canonical(new):
       continue
-    strict = key not in _MAY_DIFFER and any(
-        key == p or (p.endswith(".") and key.startswith(p)) for p in _MUST_MATCH)
-    if strict:
+    if config_lib.resume_must_match(key):
       raise RestoreError(
           f"{where} was written with {key}={old!r} but this config has {key}={new!r}; "
           "the saved state only continues a run with the same value (or use a new --workdir)")
@@ -242,6 +248,13 @@ class Checkpointer:
     handlers.update(loop=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler())
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=handlers)
+    _quiet_failed_saves()
+    # Commit tracking (module docstring): the newest step known complete on disk, the step
+    # whose background write may still be running, and steps a restore found unusable.
+    steps = self.steps()
+    self._committed: int | None = steps[-1] if steps else None
+    self._pending: int | None = None
+    self._unusable: set[int] = set()
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -253,13 +266,55 @@ class Checkpointer:
   def where(self, step: int) -> str:
     return f"checkpoint {os.path.join(self.directory, str(step))}"
 
+  def last_committed_step(self) -> int | None:
+    """The newest step whose write has completed (not merely started); None if none."""
+    if self._pending is not None and not self._saving():
+      self._promote()
+    return self._committed
+
+  def _saving(self) -> bool:
+    in_progress = getattr(self._manager, "is_saving_in_progress", None)
+    return bool(in_progress()) if in_progress is not None else True
+
+  def _promote(self) -> None:
+    """Records the pending step as committed if it is on disk (its write has ended)."""
+    # orbax renames a step's temporary directory to its number when the write is complete.
+    if self._pending is not None and os.path.isdir(os.path.join(self.directory,
+                                                                str(self._pending))):
+      self._committed = self._pending if self._committed is None else max(
+          self._committed, self._pending)
+    self._pending = None
+
+  def _failed(self, step: int, e: BaseException) -> SaveError:
+    self._pending = None
+    last = self._committed
+    good = (f"the newest complete checkpoint is {self.where(last)}" if last is not None
+            else "no checkpoint has been completed")
+    return SaveError(f"writing checkpoint step {step} to {self.directory} failed "
+                     f"({_reason(e)}); {good}")
+
+  def _guarded(self, action: Callable[[], Any], step: int):
+    """Runs a manager call that may surface a failed write: the pending step's (finished
+    by the call) or else `step`'s, as one SaveError."""
+    try:
+      return action()
+    except Exception as e:  # noqa: BLE001  (whatever the storage layer raises)
+      raise self._failed(self._pending if self._pending is not None else step, e) from e
+
   def save(self, step: int, *, params, opt_state, ref_params, loop: dict, config: dict,
            heldout: float | None = None, wait: bool = False) -> bool:
     """Starts saving `step` (finished in the background unless `wait` or async_save is
-    off); False if that step already exists. The arrays are copied off the device before
-    this returns, so the caller may donate them right after."""
+    off); False if that step already exists and is not one a restore found unusable
+    (that one is replaced). The arrays are copied off the device before this returns, so
+    the caller may donate them right after. SaveError when this or the previous
+    background write fails."""
+    self._guarded(self._manager.wait_until_finished, step)
+    self._promote()
     if step in self._manager.all_steps():
-      return False
+      if step not in self._unusable:
+        return False
+      self._manager.delete(step)
+      self._unusable.discard(step)
     arrays = {"params": params, "opt_state": opt_state}
     if ref_params is not None:
       arrays["ref_params"] = ref_params
@@ -273,9 +328,12 @@ class Checkpointer:
     items["loop"] = ocp.args.JsonSave(loop)
     items["config"] = ocp.args.JsonSave(config)
     metrics = None if heldout is None else {"reward/heldout": float(heldout)}
-    self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=True)
-    if wait:
-      self._manager.wait_until_finished()
+    self._guarded(lambda: self._manager.save(step, args=ocp.args.Composite(**items),
+                                             metrics=metrics, force=True), step)
+    self._pending = step
+    if wait or not self._saving():
+      self._guarded(self._manager.wait_until_finished, step)
+      self._promote()
     return True
 
   def read_json(self, step: int, item: str) -> dict:
@@ -327,6 +385,7 @@ class Checkpointer:
       for bad, reason in failures:
         warn(f"warning: {self.where(bad)} cannot be restored ({reason}); "
              f"using step {s} instead")
+      self._unusable.update(b for b, _ in failures)  # replaced when saved again
       return Restored(step=s, params=out["params"], opt_state=out["opt_state"],
                       ref_params=out.get("ref_params"), loop=loop, config=config,
                       skipped_steps=[b for b, _ in failures])
@@ -364,11 +423,20 @@ class Checkpointer:
     raise RestoreError(f"no checkpoint in {self.directory} can be restored ({detail})")
 
   def wait(self) -> None:
-    """Blocks until background saves are on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until background saves are on disk; SaveError if one failed."""
+    if self._pending is not None:
+      self._guarded(self._manager.wait_until_finished, self._pending)
+    self._promote()
 
   def close(self) -> None:
-    self._manager.close()
+    """Finishes background saves (SaveError if one failed) and releases the manager."""
+    try:
+      self.wait()
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # noqa: BLE001  (the failed write was reported by wait)
+        pass
 
 
 def _quiet_failed_reads() -> None:
@@ -390,6 +458,21 @@ def _quiet_failed_reads() -> None:
       previous(unraisable)
   hook._rl_jax_filter = True  # installed once per process
   sys.unraisablehook = hook
+
+
+class _DropSaveTracebacks(logging.Filter):
+  """Drops orbax's own tracebacks of a failed write (hundreds of lines per failure);
+  Checkpointer reports the failure as one SaveError line."""
+
+  def filter(self, record):
+    return not (record.exc_info and "orbax" in (record.pathname or ""))
+
+
+def _quiet_failed_saves() -> None:
+  for name in ("absl", "orbax"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _DropSaveTracebacks) for f in logger.filters):
+      logger.addFilter(_DropSaveTracebacks())
 
 
 def _reason(e: BaseException) -> str:

@@ -21,11 +21,13 @@ from typing import Any, Sequence
 
 import ml_collections
 
+from rl_jax.errors import UserError
+
 _BASE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "configs", "base.py")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A user mistake in a config file or override: one sentence naming the field."""
 
 
@@ -43,9 +45,23 @@ def _load_module(path: str):
     spec.loader.exec_module(module)
   except SyntaxError as e:
     raise ConfigError(f"--config: {path}:{e.lineno}: syntax error: {e.msg}") from None
+  except Exception as e:  # noqa: BLE001  (whatever the user's file raises)
+    raise ConfigError(f"--config: importing {path} failed: {type(e).__name__}: {e}"
+                      f"{_where_in(e, path)}") from None
   if not hasattr(module, "get_config"):
     raise ConfigError(f"--config: {path} defines no get_config(arg=None)")
   return module
+
+
+def _where_in(e: BaseException, path: str) -> str:
+  """" (<path>:<line>)" of the innermost traceback frame in `path`, else ""."""
+  line = None
+  tb = e.__traceback__
+  while tb is not None:
+    if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return "" if line is None else f" ({path}:{line})"
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -60,9 +76,14 @@ def load_file(spec: str) -> ml_collections.ConfigDict:
     cfg = module.get_config(arg or None)
   except ConfigError:
     raise
-  except (ValueError, KeyError, TypeError, AttributeError) as e:
+  except Exception as e:  # noqa: BLE001  (whatever the user's get_config raises)
     call = f"get_config({arg!r})" if arg else "get_config()"
-    raise ConfigError(f"--config {spec}: {call} failed: {e}") from None
+    kind = "" if isinstance(e, (ValueError, KeyError, TypeError, AttributeError)) else (
+        f"{type(e).__name__}: ")
+    raise ConfigError(f"--config {spec}: {call} failed: {kind}{e}{_where_in(e, path)}") from None
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    raise ConfigError(f"--config {spec}: get_config returned {type(cfg).__name__}, "
+                      "not an ml_collections.ConfigDict")
   check_fields(cfg, base_config())
   return cfg
 
@@ -185,14 +206,6 @@ def parse_args(argv: Sequence[str], default_config: str | None = None):
   return cfg, rest
 
 
-def parse_args_or_exit(argv: Sequence[str]):
-  """parse_args for launch scripts: a user mistake exits with one `error:` line."""
-  try:
-    return parse_args(argv)
-  except ConfigError as e:
-    sys.exit(f"error: {e}")
-
-
 def _require(cond: bool, msg: str) -> None:
   if not cond:
     raise ConfigError(msg)
@@ -214,23 +227,135 @@ def max_inflight_groups(cfg) -> int:
 
 
 def _check_files(cfg) -> None:
-  """Local files the run reads: the checkpoint directory and the task's data files."""
-  path = cfg.model.path
-  _require(not path or os.path.isdir(path),
-           f"config field 'model.path': checkpoint directory {path!r} does not exist")
+  """What a chat-formatted run needs beyond check_inputs: the checkpoint's own tokenizer."""
   if cfg.data.chat:
-    _require(bool(path), "config field 'model.path' is empty; data.chat=True prompts with the "
-             "checkpoint's own tokenizer and chat template: pass "
+    _require(bool(cfg.model.path), "config field 'model.path' is empty; data.chat=True prompts "
+             "with the checkpoint's own tokenizer and chat template: pass "
              "--config.model.path=/path/to/hf_checkpoint_dir")
     _require(cfg.warmstart.steps == 0, "config field 'warmstart.steps' must be 0 with "
              f"data.chat=True (demonstrations are not chat-formatted); got {cfg.warmstart.steps}")
-  if cfg.task.name in ("gsm8k", "jsonl"):
-    _require(bool(cfg.task.path), f"config field 'task.path' is empty; task.name="
-             f"{cfg.task.name!r} reads a .parquet or .jsonl file: pass --config.task.path=FILE")
-    for name in ("path", "eval_path"):
-      file = cfg.task[name]
-      _require(not file or os.path.isfile(file),
-               f"config field 'task.{name}': data file {file!r} does not exist")
+
+
+# The domain of every numeric field of configs/base.py: ">= x", "> x", or an interval
+# "[a, b)" etc. Floats must also be finite. Cross-field rules are in `validate`.
+DOMAINS = {
+    "seed": ">= 0",
+    "sampler.max_concurrent_decodes": ">= 1", "sampler.page_size": ">= 1",
+    "sampler.num_pages": ">= 0", "sampler.kv_cache_bytes": ">= 1",
+    "sampler.max_prefill_length": ">= 1", "sampler.max_new_tokens": ">= 1",
+    "sampler.temperature": ">= 0", "sampler.top_k": ">= 0", "sampler.top_p": "(0, 1]",
+    "sampler.steps_per_call": ">= 1",
+    "trainer.learning_rate": "> 0", "trainer.warmup_steps": ">= 0",
+    "trainer.weight_decay": ">= 0", "trainer.b1": "[0, 1)", "trainer.b2": "[0, 1)",
+    "trainer.grad_clip": ">= 0", "trainer.micro_batch_size": ">= 0",
+    "trainer.num_minibatches": ">= 1", "trainer.eps_low": "[0, 1]", "trainer.eps_high": ">= 0",
+    "trainer.tis_cap": ">= 0", "trainer.kl_beta": ">= 0", "trainer.loss_norm_len": ">= 0",
+    "rl.total_steps": ">= 1", "rl.groups_per_step": ">= 1", "rl.group_size": ">= 2",
+    "rl.max_staleness": ">= 0", "rl.max_inflight_groups": ">= -1", "rl.queue_maxsize": ">= 1",
+    "rl.weight_sync_every": ">= 1", "rl.eval_every": ">= 0", "rl.verifier_patience_s": "> 0",
+    "warmstart.steps": ">= 0", "warmstart.batch_size": ">= 1", "warmstart.learning_rate": "> 0",
+    # 10**digits must fit the int64 the procedural tasks draw operands with.
+    "task.digits": "[1, 18]", "task.num_terms": ">= 2", "task.format_reward": ">= 0",
+    "task.heldout_size": ">= 1", "task.heldout_fraction": "(0, 1)",
+    "verifier.workers": ">= 1", "verifier.timeout_s": "> 0", "verifier.retries": ">= 0",
+    "verifier.latency_mean_s": ">= 0", "verifier.latency_sigma": "> 0",
+    "verifier.latency_alpha": "> 0", "verifier.failure_prob": "[0, 1]",
+    "data.num_epochs": ">= 0", "data.max_prompt_length": ">= 1",
+    "checkpoint.every": ">= 0", "checkpoint.keep": ">= 1", "checkpoint.grace_period_s": "> 0",
+    "metrics.log_every": ">= 1",
+}
+# What a value means at the edge of its domain, appended to the error.
+_DOMAIN_NOTES = {
+    "sampler.num_pages": "0 = derive from sampler.kv_cache_bytes", "sampler.top_k": "0 = off",
+    "trainer.micro_batch_size": "0 = whole batch", "trainer.tis_cap": "0 = off",
+    "trainer.grad_clip": "0 = off",
+    "trainer.loss_norm_len": "0 = sampler.max_new_tokens",
+    "rl.max_staleness": "0 = on-policy only", "rl.max_inflight_groups": "-1 = auto",
+    "rl.group_size": "group advantages compare completions of one prompt",
+    "checkpoint.every": "0 = off", "rl.eval_every": "0 = only at start and end",
+}
+# A checkpoint continues a run only with the same values of these fields (prefixes end
+# with "."): they define the model's shapes, the prompt stream its saved iterator state
+# indexes into, and the sampling seeds. task.heldout_size only changes the evaluation
+# set and model.remat only what the backward pass recomputes.
+RESUME_MUST_MATCH = ("seed", "model.", "task.", "data.")
+RESUME_MAY_DIFFER = ("task.heldout_size", "model.remat")
+
+
+def resume_must_match(key: str) -> bool:
+  """Whether a flat field name must equal the checkpoint's value to resume from it."""
+  return key not in RESUME_MAY_DIFFER and any(
+      key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_MUST_MATCH)
+
+
+def in_domain(value, spec: str) -> bool:
+  """Whether a number lies in a DOMAINS spec (">= 1", "> 0", "[0, 1)", ...)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return False
+  if spec[0] in "[(":
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    above = value >= lo if spec[0] == "[" else value > lo
+    return above and (value <= hi if spec[-1] == "]" else value < hi)
+  op, bound = spec.split()
+  return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def _get(cfg, dotted: str):
+  for p in dotted.split("."):
+    cfg = cfg[p]
+  return cfg
+
+
+def check_domains(cfg) -> None:
+  """ConfigError naming the first numeric field outside its DOMAINS entry."""
+  for name, spec in DOMAINS.items():
+    value = _get(cfg, name)
+    if not in_domain(value, spec):
+      rule = f"in {spec}" if spec[0] in "[(" else spec
+      note = f" ({_DOMAIN_NOTES[name]})" if name in _DOMAIN_NOTES else ""
+      finite = "finite and " if isinstance(value, float) and not math.isfinite(value) else ""
+      raise ConfigError(f"config field {name!r} must be {finite}{rule}{note}; got {value!r}")
+
+
+def check_inputs(cfg) -> None:
+  """ConfigError naming the field when the task, model or a file it names cannot be used;
+  reads no file beyond checking that it exists and can be opened."""
+  from rl_jax import tasks
+  from rl_jax.model import presets
+  t = cfg.task
+  _require(t.name in tasks.task_names(), f"config field 'task.name' must be one of "
+           f"{', '.join(map(repr, tasks.task_names()))}; got {t.name!r}")
+  if t.name in ("gsm8k", "jsonl"):  # the file's records are read when the run starts
+    _require(bool(t.path), f"config field 'task.path' is empty; task.name={t.name!r} reads "
+             "a .parquet or .jsonl file: pass --config.task.path=FILE")
+    _readable_file("task.path", t.path)
+    if t.eval_path:
+      _readable_file("task.eval_path", t.eval_path)
+  else:
+    try:  # a procedural task's constructor is cheap and checks task.operators per task
+      tasks.make_task(t, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
+    except tasks.TaskError as e:
+      raise ConfigError(f"config field 'task': {e}") from None
+  if cfg.verifier.latency == "empirical":
+    _readable_file("verifier.latency_file", cfg.verifier.latency_file)
+  _require(cfg.model.preset in presets.PRESETS, f"config field 'model.preset' must be one of "
+           f"{', '.join(map(repr, sorted(presets.PRESETS)))}; got {cfg.model.preset!r}")
+  if cfg.model.path:
+    _require(os.path.isdir(cfg.model.path), f"config field 'model.path': {cfg.model.path!r} "
+             "is not a directory (a Hugging Face checkpoint directory is expected)")
+    _readable_file("model.path", os.path.join(cfg.model.path, "config.json"))
+
+
+def _readable_file(field: str, path: str) -> None:
+  _require(bool(path), f"config field {field!r} must name a file")
+  _require(os.path.exists(path), f"config field {field!r}: file {path!r} does not exist")
+  _require(os.path.isfile(path), f"config field {field!r}: {path!r} is not a regular file")
+  try:
+    with open(path, "rb"):
+      pass
+  except OSError as e:
+    raise ConfigError(f"config field {field!r}: file {path!r} cannot be read "
+                      f"({e.strerror})") from None
 
 
 def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
@@ -251,48 +376,36 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "data.on_long_prompt", ("truncate", "drop"))
   _choice(cfg, "data.on_bad_line", ("skip", "fail"))
   _choice(cfg, "task.matcher", ("exact", "numeric", "regex"))
+  check_domains(cfg)
+  _check_cross_fields(cfg)
+  _check_mesh(cfg, sharding, num_devices)
+  check_inputs(cfg)
+  return cfg
 
-  rl = cfg.rl
-  _require(rl.max_staleness >= 0,
-           f"config field 'rl.max_staleness' must be >= 0 (0 = on-policy only); got {rl.max_staleness}")
-  _require(rl.max_inflight_groups >= -1,
-           f"config field 'rl.max_inflight_groups' must be -1 (auto) or >= 0; got {rl.max_inflight_groups}")
-  for name in ("total_steps", "groups_per_step", "group_size", "queue_maxsize", "weight_sync_every"):
-    _require(rl[name] >= 1, f"config field 'rl.{name}' must be >= 1; got {rl[name]}")
-  _require(rl.group_size >= 2, f"config field 'rl.group_size' must be >= 2: group advantages "
-           f"compare completions of one prompt; got {rl.group_size}")
-  _require(rl.eval_every >= 0, f"config field 'rl.eval_every' must be >= 0; got {rl.eval_every}")
+
+def _check_cross_fields(cfg) -> None:
+  rl, s, t = cfg.rl, cfg.sampler, cfg.trainer
   if rl.mode == "async":
     _require(max_inflight_groups(cfg) >= rl.groups_per_step,
              f"config field 'rl.max_inflight_groups' ({rl.max_inflight_groups}) must be >= "
              f"rl.groups_per_step ({rl.groups_per_step}) or the trainer can never fill a batch")
-
-  s = cfg.sampler
-  for name in ("max_concurrent_decodes", "page_size", "max_prefill_length", "max_new_tokens",
-               "steps_per_call"):
-    _require(s[name] >= 1, f"config field 'sampler.{name}' must be >= 1; got {s[name]}")
-  _require(s.num_pages >= 0, f"config field 'sampler.num_pages' must be >= 0; got {s.num_pages}")
-  _require(s.temperature >= 0.0, f"config field 'sampler.temperature' must be >= 0; got {s.temperature}")
-  _require(0.0 < s.top_p <= 1.0, f"config field 'sampler.top_p' must be in (0, 1]; got {s.top_p}")
-  _require(s.top_k >= 0, f"config field 'sampler.top_k' must be >= 0 (0 = off); got {s.top_k}")
-
-  t = cfg.trainer
-  _require(t.learning_rate > 0, f"config field 'trainer.learning_rate' must be > 0; got {t.learning_rate}")
-  _require(t.eps_low >= 0 and t.eps_high >= 0,
-           f"config fields 'trainer.eps_low'/'trainer.eps_high' must be >= 0; got {t.eps_low}, {t.eps_high}")
-  _require(t.tis_cap >= 0, f"config field 'trainer.tis_cap' must be >= 0 (0 = off); got {t.tis_cap}")
-  _require(t.kl_beta >= 0, f"config field 'trainer.kl_beta' must be >= 0; got {t.kl_beta}")
-  _require(t.num_minibatches >= 1, f"config field 'trainer.num_minibatches' must be >= 1; got {t.num_minibatches}")
-  _require(t.micro_batch_size >= 0, f"config field 'trainer.micro_batch_size' must be >= 0; got {t.micro_batch_size}")
-  _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets),
-           f"config field 'trainer.length_buckets' must be a non-empty increasing tuple; got {t.length_buckets}")
+  _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets)
+           and all(isinstance(b, int) and b >= 1 for b in t.length_buckets),
+           f"config field 'trainer.length_buckets' must be a non-empty increasing tuple of "
+           f"positive integers; got {t.length_buckets}")
   need_len = cfg.data.max_prompt_length + s.max_new_tokens
   _require(max(t.length_buckets) >= need_len,
            f"config field 'trainer.length_buckets' must reach data.max_prompt_length + "
            f"sampler.max_new_tokens = {need_len}; largest is {max(t.length_buckets)}")
-
+  if cfg.verifier.latency == "pareto":
+    _require(cfg.verifier.latency_alpha > 1.0,
+             "config field 'verifier.latency_alpha' must be > 1 for a finite-mean Pareto; "
+             f"got {cfg.verifier.latency_alpha}")
   _check_files(cfg)
-  mesh = cfg.mesh
+
+
+def _check_mesh(cfg, sharding, num_devices: int | None) -> None:
+  mesh, rl, s, t = cfg.mesh, cfg.rl, cfg.sampler, cfg.trainer
   for role, axes in (("sampler", ("data", "tensor")), ("trainer", ("data", "fsdp", "tensor"))):
     sub = mesh[role]
     for key in sub.keys():
@@ -326,15 +439,3 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _require(s.max_concurrent_decodes % sampler_dp == 0,
            f"config field 'sampler.max_concurrent_decodes' ({s.max_concurrent_decodes}) must divide "
            f"across the sampler's data-parallel devices ({sampler_dp})")
-  _require(cfg.warmstart.steps >= 0, f"config field 'warmstart.steps' must be >= 0; got {cfg.warmstart.steps}")
-  _require(cfg.task.heldout_size >= 1, f"config field 'task.heldout_size' must be >= 1; got {cfg.task.heldout_size}")
-  _require(0.0 < cfg.task.heldout_fraction < 1.0,
-           f"config field 'task.heldout_fraction' must be in (0, 1); got {cfg.task.heldout_fraction}")
-  _require(cfg.verifier.workers >= 1, f"config field 'verifier.workers' must be >= 1; got {cfg.verifier.workers}")
-  _require(cfg.verifier.timeout_s > 0, f"config field 'verifier.timeout_s' must be > 0; got {cfg.verifier.timeout_s}")
-  _require(0.0 <= cfg.verifier.failure_prob <= 1.0,
-           f"config field 'verifier.failure_prob' must be in [0, 1]; got {cfg.verifier.failure_prob}")
-  if cfg.verifier.latency == "pareto":
-    _require(cfg.verifier.latency_alpha > 1.0,
-             f"config field 'verifier.latency_alpha' must be > 1 for a finite-mean Pareto; got {cfg.verifier.latency_alpha}")
-  return cfg

@@ -17,11 +17,13 @@ import os
 import socket
 import time
 
+from rl_jax.errors import UserError
+
 _initialized = False
 DEFAULT_INIT_TIMEOUT_S = 300
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
   """Multi-process start-up cannot proceed: one sentence for the user."""
 
 

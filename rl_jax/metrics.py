@@ -101,6 +101,31 @@ def read_jsonl(path: str) -> list[dict]:
   return rows
 
 
+def truncate_after(path: str, step: int) -> int:
+  """Keeps the rows of `path` (metrics.jsonl) that a run resumed at `step` optimizer steps
+  does not write again: rows of steps before `step`, and the training row of `step`
+  itself. Rows of later steps (work a crash threw away), the final held-out row of a
+  finished run (written again at its end) and a half-written last line go. Rewrites the
+  file in place (a writer may hold it open for appending); returns the rows dropped."""
+  if not os.path.exists(path):
+    return 0
+
+  def keep(line):
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:  # the half-written last line of a killed run
+      return False
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and (
+        row["step"] < step or (row["step"] == step and "optim/loss" in row))
+  with open(path, "r+") as f:
+    lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if keep(line)]
+    f.seek(0)
+    f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+    f.truncate()
+  return len(lines) - len(kept)
+
+
 class Console:
   """One progress line per logged step: step, versions, rewards, queue, staleness, rates."""
 

@@ -11,10 +11,11 @@ from typing import Sequence
 
 import numpy as np
 
+from rl_jax.errors import UserError
 from rl_jax.metrics import read_jsonl
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
   pass
 
 

@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from rl_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis names used by model parameters and activations.
@@ -59,7 +61,7 @@ SAMPLE_RULES: Rules = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
   """A mesh request that the available devices cannot satisfy."""
 
 

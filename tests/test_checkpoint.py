@@ -185,7 +185,90 @@ def test_export_round_trip(tmp_path, saved_run, capsys):
   loaded_cfg, params = model_lib.from_pretrained(out)
   assert loaded_cfg.replace(remat=model_cfg.remat) == model_cfg
   _assert_same(params, states[2].params)
-  with pytest.raises(SystemExit, match="has no step 7"):
-    export.main(["--workdir", workdir, "--out", out, "--step", "7"])
-  with pytest.raises(SystemExit, match="has no checkpoints"):
-    export.main(["--workdir", str(tmp_path / "nothing"), "--out", out])
+  capsys.readouterr()
+  assert export.main(["--workdir", workdir, "--out", out, "--step", "7"]) == 1
+  assert "has no step 7" in capsys.readouterr().err
+  assert export.main(["--workdir", str(tmp_path / "nothing"), "--out", out]) == 1
+  assert "has no checkpoints" in capsys.readouterr().err
+
+
+def test_corrupt_newest_step_is_replaced_when_saved_again(tmp_path, saved_run):
+  """After falling back from a corrupt step 2, saving step 2 again writes it anew (it is
+  not skipped because the step number exists) and it restores."""
+  _, cfg, model_cfg, _ = saved_run
+  trainer, _ = _trainer(cfg)
+  workdir = str(tmp_path)
+  checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
+  for step in (1, 2):
+    _save(checkpointer, step, trainer.init_state(rng=jax.random.key(step)), cfg, model_cfg)
+  checkpointer.close()
+  _corrupt(workdir, 2)
+  checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
+  state = trainer.init_state(rng=jax.random.key(7))
+  assert _restore(checkpointer, state, warn=lambda _: None).step == 1
+  _save(checkpointer, 2, state, cfg, model_cfg)
+  assert checkpointer.last_committed_step() == 2
+  checkpointer.close()
+  restored = _restore(ck.Checkpointer(workdir, cfg.checkpoint), state, warn=pytest.fail)
+  assert restored.step == 2
+  _assert_same(restored.params, jax.device_get(state.params))
+  # A step that restored fine is still never overwritten.
+  checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
+  assert not checkpointer.save(2, params=state.params, opt_state=state.opt_state,
+                               ref_params=None, loop={}, config=_config_item(cfg, model_cfg))
+  checkpointer.close()
+
+
+def _fail_commit(monkeypatch, error):
+  """Makes orbax's final rename of a step (its commit) raise `error`."""
+  atomicity = pytest.importorskip("orbax.checkpoint._src.path.atomicity")
+  cls = getattr(atomicity, "AtomicRenameTemporaryPath", None)
+  if cls is None or not hasattr(cls, "finalize"):
+    pytest.skip("this orbax has no AtomicRenameTemporaryPath.finalize to inject a fault into")
+
+  async def finalize(self, *args, **kwargs):
+    raise error
+  monkeypatch.setattr(cls, "finalize", finalize)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_disk_full_is_one_line_naming_the_last_good_step(tmp_path, saved_run, monkeypatch,
+                                                         capfd, async_save):
+  import errno
+  _, cfg, model_cfg, _ = saved_run
+  cfg = config_lib.base_config().copy_and_resolve_references()
+  cfg.checkpoint.async_save = async_save
+  trainer, _ = _trainer(_run_cfg(data=1, fsdp=2, tensor=2))
+  state = trainer.init_state(rng=jax.random.key(0))
+  checkpointer = ck.Checkpointer(str(tmp_path), cfg.checkpoint)
+  _save(checkpointer, 1, state, cfg, model_cfg)
+  assert checkpointer.last_committed_step() == 1
+  _fail_commit(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+  with pytest.raises(ck.SaveError) as e:
+    checkpointer.save(2, params=state.params, opt_state=state.opt_state, ref_params=None,
+                      loop={"step": 2}, config=_config_item(cfg, model_cfg))
+    checkpointer.wait()  # an async write fails in the background: reported here
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert "step 2" in msg and "No space left on device" in msg, msg
+  assert msg.endswith(f"the newest complete checkpoint is {checkpointer.where(1)}"), msg
+  assert checkpointer.last_committed_step() == 1
+  monkeypatch.undo()
+  checkpointer.close()
+  assert "Traceback" not in capfd.readouterr().err
+  assert ck.Checkpointer(str(tmp_path), read_only=True).steps() == [1]
+
+
+def test_last_committed_step_counts_only_finished_writes(tmp_path, saved_run, monkeypatch):
+  _, cfg, model_cfg, _ = saved_run
+  trainer, _ = _trainer(cfg)
+  state = trainer.init_state(rng=jax.random.key(0))
+  checkpointer = ck.Checkpointer(str(tmp_path), cfg.checkpoint)
+  assert checkpointer.last_committed_step() is None
+  monkeypatch.setattr(checkpointer, "_saving", lambda: True)  # a write still running
+  checkpointer.save(3, params=state.params, opt_state=state.opt_state, ref_params=None,
+                    loop={"step": 3}, config=_config_item(cfg, model_cfg))
+  assert checkpointer.last_committed_step() is None
+  checkpointer.wait()
+  assert checkpointer.last_committed_step() == 3
+  checkpointer.close()

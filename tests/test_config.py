@@ -126,3 +126,64 @@ def test_colocated_single_device():
                 "--config.mesh.trainer.tensor=1")
   config_lib.validate(cfg, num_devices=1)
   assert config_lib.max_inflight_groups(cfg) == (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
+
+
+def test_every_numeric_field_has_a_domain():
+  numeric = {k for k, v in _flat(config_lib.base_config().to_dict()).items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+  # The mesh axes are checked per axis (>= 1, and the device count) in validate.
+  assert numeric - {k for k in numeric if k.startswith("mesh.")} == set(config_lib.DOMAINS)
+
+
+def _outside(spec, default):
+  """A value just outside a DOMAINS spec, of the default's type."""
+  if spec[0] in "[(":
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    value = hi if spec[-1] == ")" else (lo if spec[0] == "(" else hi + 1)
+  else:
+    op, bound = spec.split()
+    value = float(bound) - 1 if op == ">=" else float(bound)
+  return type(default)(value)
+
+
+@pytest.mark.parametrize("field", sorted(config_lib.DOMAINS))
+def test_each_numeric_field_rejects_a_value_outside_its_domain(field):
+  cfg, _ = load()
+  group, key = field.rsplit(".", 1) if "." in field else ("", field)
+  node = cfg[group] if group else cfg
+  bad = _outside(config_lib.DOMAINS[field], node[key])
+  node[key] = bad
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg, num_devices=8)
+  assert f"'{field}'" in str(e.value) and repr(bad) in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_floats_are_rejected(value):
+  cfg, _ = load()
+  cfg.trainer.learning_rate = value
+  with pytest.raises(ConfigError, match="'trainer.learning_rate' must be finite"):
+    config_lib.validate(cfg, num_devices=8)
+
+
+def test_config_file_failures_name_the_file_and_line(tmp_path):
+  boom = tmp_path / "boom.py"
+  boom.write_text("x = 1\nraise RuntimeError('at import')\n")
+  with pytest.raises(ConfigError, match=r"importing .*boom.py failed: RuntimeError: at import "
+                                        r"\(.*boom.py:2\)"):
+    load(spec=str(boom))
+  inside = tmp_path / "inside.py"
+  inside.write_text("def get_config(arg=None):\n  return 1 / 0\n")
+  with pytest.raises(ConfigError, match=r"get_config\(\) failed: ZeroDivisionError: .*inside.py:2"):
+    load(spec=str(inside))
+  not_a_config = tmp_path / "not_a_config.py"
+  not_a_config.write_text("def get_config(arg=None):\n  return {}\n")
+  with pytest.raises(ConfigError, match="returned dict, not an ml_collections.ConfigDict"):
+    load(spec=str(not_a_config))

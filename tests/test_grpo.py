@@ -212,3 +212,63 @@ def test_token_logprobs_and_entropy():
       np.testing.assert_allclose(ent[b, t], -(p * np.log(p)).sum(), rtol=1e-5)
       want = np.log(p[tokens[b, t + 1]]) if t < 4 else 0.0
       np.testing.assert_allclose(logp[b, t], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kl_estimator", grpo.KL_ESTIMATORS)
+@pytest.mark.parametrize("ratio_level", grpo.RATIO_LEVELS)
+def test_nan_off_the_mask_never_reaches_the_gradient(kl_estimator, ratio_level):
+  """NaN in every input off the mask (reference included): finite loss and gradient, and
+  the gradient off the mask is exactly 0."""
+  logp, prox, mu, ref, adv, mask = _random_inputs(3)
+  assert np.isnan(ref[~mask]).all()
+  weights = grpo.loss_weights(mask_bt=mask, loss_agg="token_mean", max_len=12)
+
+  def loss_fn(lp):
+    return grpo.grpo_loss(logp_bt=lp, prox_logp_bt=prox, behavior_logp_bt=mu,
+                          ref_logp_bt=ref, adv_b=adv, mask_bt=mask, weights_bt=weights,
+                          eps_low=0.2, eps_high=0.28, tis_cap=2.0, ratio_level=ratio_level,
+                          kl_beta=0.1, kl_estimator=kl_estimator)[0]
+  loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
+  assert np.isfinite(float(loss))
+  grad = np.asarray(grad)
+  assert np.isfinite(grad).all()
+  assert (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+  # The KL gradient on the mask, alone, against its closed form (token_mean weights 1/N):
+  # k1: d/dlogp (logp - ref) = 1;  k3: d/dlogp (e^(ref-logp) - (ref-logp) - 1) = 1 - e^(ref-logp).
+  kl_only = lambda lp: grpo.grpo_loss(
+      logp_bt=lp, prox_logp_bt=prox, behavior_logp_bt=mu, ref_logp_bt=ref,
+      adv_b=np.zeros_like(adv), mask_bt=mask, weights_bt=weights, eps_low=0.2,
+      eps_high=0.28, tis_cap=2.0, ratio_level=ratio_level, kl_beta=1.0,
+      kl_estimator=kl_estimator)[0]
+  g = np.asarray(jax.grad(kl_only)(jnp.asarray(logp)))
+  d = ref.astype(np.float64) - logp
+  want = np.where(mask, (1.0 if kl_estimator == "k1" else 1.0 - np.exp(d)) / mask.sum(), 0.0)
+  np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("ratio_level", grpo.RATIO_LEVELS)
+def test_extreme_log_ratios_stay_finite(ratio_level):
+  """A log-ratio of +-100 (exp overflows float32 above ~88.7) is clamped to +-20."""
+  mask = np.ones((2, 3), bool)
+  logp = np.array([[100.0, 0.0, 0.0], [-100.0, 0.0, 0.0]], np.float32)
+  prox = np.zeros((2, 3), np.float32)
+  mu = np.array([[-150.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+  ratio = np.asarray(grpo.importance_ratio(logp_bt=logp, prox_logp_bt=prox, mask_bt=mask,
+                                           ratio_level=ratio_level))
+  if ratio_level == "token":
+    np.testing.assert_allclose(ratio[:, 0], [np.exp(20.0), np.exp(-20.0)], rtol=1e-5)
+    np.testing.assert_allclose(ratio[:, 1:], 1.0)
+  else:  # mean log-ratios +-100 / 3 are beyond +-20: clamped too
+    np.testing.assert_allclose(ratio[0], np.exp(20.0), rtol=1e-5)
+    np.testing.assert_allclose(ratio[1], np.exp(-20.0), rtol=1e-5)
+  weights = grpo.loss_weights(mask_bt=mask, loss_agg="token_mean", max_len=3)
+
+  def loss_fn(lp):
+    return grpo.grpo_loss(logp_bt=lp, prox_logp_bt=prox, behavior_logp_bt=mu,
+                          ref_logp_bt=prox, adv_b=np.array([-1.0, 1.0], np.float32),
+                          mask_bt=mask, weights_bt=weights, eps_low=0.2, eps_high=0.28,
+                          tis_cap=0.0, ratio_level=ratio_level, kl_beta=0.1,
+                          kl_estimator="k3")
+  (loss, stats), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp))
+  assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
+  assert np.isfinite(float(stats["kl_behavior"])) and np.isfinite(float(stats["kl"]))

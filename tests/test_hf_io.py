@@ -172,3 +172,23 @@ def test_index_pointing_at_a_missing_shard_names_it(tmp_path):
   shard = sorted(set(index["weight_map"].values()))[1]
   (tmp_path / shard).unlink()
   assert shard in _load_error(tmp_path)
+
+
+@pytest.mark.parametrize("dtype, name", [
+    ("float32", "float32"), (jax.numpy.float32, "float32"), (jax.numpy.bfloat16, "bfloat16"),
+    (np.dtype("float16"), "float16"), (np.float32, "float32")])
+def test_from_pretrained_takes_dtype_names_and_objects(tmp_path, dtype, name):
+  cfg = _cfg()
+  params = _random_params(cfg, seed=1)
+  M.save_pretrained(str(tmp_path), cfg, params)
+  loaded_cfg, loaded = M.from_pretrained(str(tmp_path), dtype=dtype)
+  assert (loaded_cfg.dtype, loaded_cfg.param_dtype) == (name, name)
+  assert {str(x.dtype) for x in jax.tree.leaves(loaded)} == {name}
+  want = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.dtype(name)), params)
+  _assert_same(loaded, want)
+
+
+@pytest.mark.parametrize("dtype", ["int8", jax.numpy.int32, "fp8", object()])
+def test_from_pretrained_rejects_other_dtypes(saved, dtype):
+  with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+    M.from_pretrained(str(saved), dtype=dtype)

@@ -159,7 +159,9 @@ def test_adversarial_completions_are_cheap():
     countdown.reward(COUNTDOWN, text)
     arithmetic.reward(Example("u", "1+1=", "2"), text)
     answers.extract_final_answer(text)
-  assert time.perf_counter() - start < 5.0
+  # Linear scans take well under a second here; a quadratic one over 10**6 characters takes
+  # hours. The bound sits between the two, far from both, so machine load cannot flip it.
+  assert time.perf_counter() - start < 120.0
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -176,6 +178,19 @@ def test_adversarial_completions_are_cheap():
     ("#### -0", ("0", "####")), ("#### 007", ("7", "####")), ("5-3", ("3", "last_number")),
     ("#### \u0664\u0662", (None, "####")), ("\uff14\uff12", (None, "none")),
     ("#### " + HUGE, (HUGE, "####")),
+    # A marked answer is one number: alternatives, more arithmetic or an exponent after
+    # it are no answer (not the first number), while words, "$", commas and a full
+    # stop around it are fine.
+    ("#### 1234 or 1235", (None, "####")), ("#### 1234 * 2", (None, "####")),
+    ("#### 1234e5", (None, "####")), ("#### 1234E-5", (None, "####")),
+    ("#### 1234/2", (None, "####")), ("#### 1234 = x", (None, "####")),
+    ("#### 1234 \u00d7 y", (None, "####")), ("#### 1,2345", (None, "####")),
+    ("#### 1234.5.6", (None, "####")), ("\\boxed{12 or 13}", (None, "boxed")),
+    ("#### 2 * 617 = 1234", (None, "####")),
+    ("#### 1,234", ("1234", "####")), ("#### $1234", ("1234", "####")),
+    ("#### 1234.", ("1234", "####")), ("#### $1,234.50 dollars.", ("1234.5", "####")),
+    ("#### The answer is 1234", ("1234", "####")), ("#### 1234 apples\nthen 5", ("1234", "####")),
+    ("#### 1234 - done", ("1234", "####")), ("\\boxed{ 1,234. }", ("1234", "boxed")),
 ])
 def test_extract_final_answer(text, expected):
   assert answers.extract_final_answer(text) == expected
@@ -208,6 +223,8 @@ def test_gsm8k_task(tmp_path):
   assert task.reward(ex, f"so the total is {answer}").total == pytest.approx(1.0)
   assert task.reward(ex, f"#### {int(answer) + 1}").total == pytest.approx(0.2)
   assert task.reward(ex, f"#### {answer} and #### {int(answer) + 1}").score == 0.0
+  for more in (" or 1235", " * 2", "e5"):  # not scored as its first number
+    assert task.reward(ex, f"#### {answer}{more}").score == 0.0
   assert task.reward(ex, "").total == 0.0
   digits = "".join(chr(0x0660 + int(d)) for d in answer)
   assert task.reward(ex, f"#### {digits}").score == 0.0

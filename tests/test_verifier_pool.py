@@ -42,7 +42,7 @@ def verifier_cfg(**fields):
   return cfg
 
 
-def collect(pool, n, timeout=10.0):
+def collect(pool, n, timeout=120.0):
   results = [pool.get(timeout=timeout) for _ in range(n)]
   assert all(r is not None for r in results), "pool did not deliver every result"
   return {r.key: r for r in results}
@@ -75,9 +75,9 @@ def test_callback_delivery_and_poll():
   with VerifierPool(SleepyTask(), verifier_cfg(), seed=0) as pool:
     for i in range(5):
       pool.submit(i, EX, "ok", callback=callback)
-    assert done.wait(10)
+    assert done.wait(120)
     pool.submit("q", EX, "no")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing window
     polled = []
     while not polled and time.monotonic() < deadline:
       polled = pool.poll()
@@ -86,18 +86,36 @@ def test_callback_delivery_and_poll():
   assert [(r.key, r.reward.score) for r in polled] == [("q", 0.0)]
 
 
+class BlockingTask(SleepyTask):
+  """SleepyTask whose "block" call waits until the test releases it (no time window:
+  it overruns any timeout however slowly the machine runs) and then reports its return."""
+
+  def __init__(self):
+    self.release, self.returned = threading.Event(), threading.Event()
+
+  def reward(self, example, completion_text):
+    if completion_text == "block":
+      self.release.wait(300)
+      self.returned.set()
+    return super().reward(example, completion_text)
+
+
 def test_timeout_gives_zero_reward_and_pool_keeps_working():
-  with VerifierPool(SleepyTask(), verifier_cfg(workers=1, timeout_s=0.2), seed=0) as pool:
-    pool.submit("slow", EX, "1.5")
-    slow = pool.get(timeout=5)
+  task = BlockingTask()
+  # The timeout is a lower bound that load only stretches; "ok" needs far less than 3 s.
+  with VerifierPool(task, verifier_cfg(workers=1, timeout_s=3.0), seed=0) as pool:
+    pool.submit("slow", EX, "block")
+    slow = pool.get(timeout=120)
     assert (slow.key, slow.status, slow.reward.score, slow.attempts) == ("slow", "timeout", 0.0, 1)
-    assert slow.t_finished - slow.t_started >= 0.2
-    # The only worker is stuck in the sleep; a replacement serves the next call.
+    assert slow.t_finished - slow.t_started >= 3.0
+    # The only worker is stuck in the call; a replacement serves the next call.
     pool.submit("fast", EX, "ok")
-    fast = pool.get(timeout=5)
+    fast = pool.get(timeout=120)
     assert (fast.key, fast.status, fast.reward.score) == ("fast", "ok", 1.0)
-    # Wait until the stuck call has returned: its late result must be discarded.
-    time.sleep(max(0.0, slow.t_started + 1.7 - time.time()))
+    # The stuck call returns now: its late result must be discarded.
+    task.release.set()
+    assert task.returned.wait(120)
+    time.sleep(0.2)  # let the worker hand its late result over (discarded either way)
     assert pool.poll() == []
     stats = pool.stats()
   assert (stats["timeout"], stats["ok"], stats["abandoned_attempts"]) == (1, 1, 1)
@@ -106,7 +124,7 @@ def test_timeout_gives_zero_reward_and_pool_keeps_working():
 def test_timeout_is_retried():
   with VerifierPool(SleepyTask(), verifier_cfg(timeout_s=0.1, retries=1), seed=0) as pool:
     pool.submit(0, EX, "0.4")
-    result = pool.get(timeout=5)
+    result = pool.get(timeout=120)
     assert (result.status, result.attempts) == ("timeout", 2)
     assert pool.stats()["retries"] == 1
 
@@ -116,7 +134,7 @@ def test_injected_failure_errors_after_retries(retries):
   cfg = verifier_cfg(failure_prob=1.0, retries=retries)
   with VerifierPool(SleepyTask(), cfg, seed=0) as pool:
     pool.submit(0, EX, "ok")
-    result = pool.get(timeout=5)
+    result = pool.get(timeout=120)
   assert (result.status, result.reward.score, result.attempts) == ("error", 0.0, retries + 1)
   assert "InjectedFailure" in result.error
 
@@ -127,31 +145,34 @@ def test_verifier_exception_and_bad_callback_do_not_break_the_pool():
 
   with VerifierPool(SleepyTask(), verifier_cfg(workers=1), seed=0) as pool:
     pool.submit(0, EX, "raise")
-    assert pool.get(timeout=5).status == "error"
+    assert pool.get(timeout=120).status == "error"
     pool.submit(1, EX, "ok", callback=bad_callback)
     pool.submit(2, EX, "ok")
-    assert pool.get(timeout=5).key == 2
+    assert pool.get(timeout=120).key == 2
     assert pool.stats()["callback_errors"] == 1
 
 
 def test_submit_never_blocks_and_close_is_quick():
-  cfg = verifier_cfg(workers=1, timeout_s=30.0, latency="fixed", latency_mean_s=20.0)
+  """A blocking submit or close would take the 600 s the worker is busy for; the bounds
+  (60 s) sit far from both that and the milliseconds these take, so load cannot flip them."""
+  cfg = verifier_cfg(workers=1, timeout_s=900.0, latency="fixed", latency_mean_s=600.0)
   pool = VerifierPool(SleepyTask(), cfg, seed=0)
   start = time.monotonic()
   for i in range(50):
     pool.submit(i, EX, "ok")
-  assert time.monotonic() - start < 0.5
+  assert time.monotonic() - start < 60
   start = time.monotonic()
-  pool.close()  # a worker is inside its 20 s injected delay
-  assert time.monotonic() - start < 3.0
+  pool.close()  # a worker is inside its 600 s injected delay
+  assert time.monotonic() - start < 60
   with pytest.raises(RuntimeError, match="after close"):
     pool.submit(0, EX, "ok")
-  pool = VerifierPool(SleepyTask(), verifier_cfg(workers=1, timeout_s=60.0), seed=0)
-  pool.submit("stuck", EX, "30")
-  time.sleep(0.1)
+  task = BlockingTask()
+  pool = VerifierPool(task, verifier_cfg(workers=1, timeout_s=900.0), seed=0)
+  pool.submit("stuck", EX, "block")
   start = time.monotonic()
-  pool.close()  # a worker is stuck inside task.reward
-  assert time.monotonic() - start < 3.0
+  pool.close()  # a worker is (or is about to be) stuck inside task.reward
+  assert time.monotonic() - start < 60
+  task.release.set()
 
 
 def test_processes_backend_scores_and_recovers_from_timeouts():

@@ -1,7 +1,8 @@
 """rl_jax.bench: the accelerator benchmark suite (`python launch/bench.py suite`).
 
 options (flags and sizes, imports no jax), measure (device probes, decode, prefill,
-train, weight sync), anchor (the plain-JAX reference in ../shared/tools/gpu_anchor.py),
+train, weight sync), reference (the plain-JAX implementation rl_jax is compared with),
+anchor (runs reference.py, or the script given with --anchor, at the suite's shapes),
 e2e (a short async run through orchestration.loop), aot (compiled memory of the
 accelerator-shaped programs, no allocation) and suite (runs the sections, writes JSON,
 prints the table). Nothing here imports grain, ml_collections, TensorFlow or JetStream

@@ -1,7 +1,9 @@
-"""The plain-JAX anchor (shared/tools/gpu_anchor.py) run in this process, at this run's
-shapes, so rl_jax / plain-JAX ratios compare like with like on the same device.
+"""The plain-JAX anchor run in this process, at this run's shapes, so rl_jax / plain-JAX
+ratios compare like with like on the same device.
 
-gpu_anchor.py is a script: its shapes are module constants (V, D, L, H, KVH, HD, F,
+The anchor is rl_jax/bench/reference.py (in the repository), or any script given with
+`--anchor PATH` that keeps the same contract (e.g. an external gpu_anchor.py). An anchor
+is a script: its shapes are module constants (V, D, L, H, KVH, HD, F,
 BATCHES, CTX, PAGE, TRAIN_B, TRAIN_T), its BW / PEAK constants normalise its roofline
 and MFU columns, and its last statement is a bare `main()` call that writes
 `$OUT/anchor.json` when OUT is set. Loading it here drops that bare call, sets the
@@ -21,15 +23,14 @@ REQUIRED = ("main", "V", "D", "L", "H", "KVH", "HD", "F", "BATCHES", "CTX", "PAG
             "TRAIN_B", "TRAIN_T", "BW", "PEAK")
 
 
-def find(repo_root: str, explicit: str = "") -> str | None:
-  """The anchor script: `explicit`, else shared/tools under the repository or its parent."""
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference.py")
+
+
+def find(explicit: str = "") -> str | None:
+  """The anchor script: `explicit` (None if it is not a file), else the in-repo reference."""
   if explicit:
     return explicit if os.path.isfile(explicit) else None
-  for base in (repo_root, os.path.dirname(repo_root)):
-    path = os.path.join(base, "shared", "tools", "gpu_anchor.py")
-    if os.path.isfile(path):
-      return path
-  return None
+  return REFERENCE
 
 
 def load(path: str) -> types.ModuleType:
@@ -38,7 +39,7 @@ def load(path: str) -> types.ModuleType:
     tree = ast.parse(f.read(), path)
   tree.body = [node for node in tree.body
                if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))]
-  module = types.ModuleType("gpu_anchor")
+  module = types.ModuleType("rl_jax_anchor")
   module.__file__ = path
   exec(compile(tree, path, "exec"), module.__dict__)  # noqa: S102  (a trusted repo script)
   missing = [name for name in REQUIRED if name not in module.__dict__]

@@ -82,7 +82,7 @@ def add_suite_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--device-gib", type=float, default=139.0,
                  help="device memory the aot figures are compared with")
   p.add_argument("--anchor", default="",
-                 help="path of gpu_anchor.py (default: shared/tools or ../shared/tools)")
+                 help="plain-JAX anchor script (default: rl_jax/bench/reference.py)")
   p.add_argument("--e2e-config", default="configs/default.py",
                  help="config the e2e run starts from (relative paths: the repository)")
   p.add_argument("--workdir", default="", help="e2e workdir (default: a temporary folder)")

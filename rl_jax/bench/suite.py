@@ -87,9 +87,9 @@ def _section_fns(args, sizes, model_cfg, res, sections):
                                copy_gbps=probes().get("copy_gbps"))
 
   def anchor():
-    path = anchor_lib.find(REPO_ROOT, args.anchor)
+    path = anchor_lib.find(args.anchor)
     if path is None:
-      raise Skip(f"gpu_anchor.py not found ({args.anchor or 'shared/tools, ../shared/tools'})")
+      raise Skip(f"--anchor {args.anchor} not found")
     out = anchor_lib.run(path, model_cfg, sizes, copy_gbps=probes().get("copy_gbps"),
                          peak_tflops=probes().get("matmul_tflops"))
     out["ratios"] = anchor_lib.ratios(out, res)

@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any, Callable, TypeVar
 
+from rl_jax.errors import UserError
+
 T = TypeVar("T")
 ON_BAD_LINE = ("skip", "fail")
 _LOGGED_BAD_LINES = 3
@@ -19,7 +21,7 @@ _LOGGED_BAD_LINES = 3
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """Input data is missing, empty or malformed."""
 
 
@@ -37,7 +39,7 @@ def read_jsonl(path: str, *, parse: Callable[[dict[str, Any], int], T],
     raise DataError("no data file given (task.path is empty).")
   if not os.path.isfile(path):
     raise DataError(f"data file {path!r} does not exist.")
-  records, skipped = [], 0
+  records, skipped, bad = [], 0, []
   with open(path, "rb") as f:
     for line_no, raw in enumerate(f, start=1):
       try:
@@ -60,12 +62,15 @@ def read_jsonl(path: str, *, parse: Callable[[dict[str, Any], int], T],
           raise DataError(message + " (set data.on_bad_line='skip' to skip bad lines).")
         skipped += 1
         if skipped <= _LOGGED_BAD_LINES:
-          log.warning("skipping %s", message)
+          bad.append(message)
+  if not records:  # one line: the first bad line says what is wrong with the file
+    first = f"; the first: {bad[0]}" if bad else ""
+    raise DataError(f"data file {path!r} contains no valid records "
+                    f"({skipped} bad lines{first}).")
+  for message in bad:
+    log.warning("skipping %s", message)
   if skipped > _LOGGED_BAD_LINES:
     log.warning("skipped %d bad lines in %s", skipped, path)
-  if not records:
-    raise DataError(f"data file {path!r} contains no valid records "
-                    f"({skipped} bad lines skipped).")
   return records, skipped
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from rl_jax.errors import UserError
 from rl_jax.model.presets import ModelConfig
 from rl_jax.model.transformer import init_params
 
@@ -34,7 +35,7 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint rl_jax cannot read: the message names the file, field or tensor."""
 
 
@@ -234,13 +235,28 @@ def _open(file: str):
     raise CheckpointError(f"{file} has a corrupt safetensors header ({err})") from err
 
 
-def from_pretrained(path: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+def dtype_name(dtype) -> str:
+  """"float32" | "bfloat16" | "float16" from a name or a dtype object (jnp.float32,
+  np.dtype("float16"), ...); ValueError naming the allowed ones otherwise."""
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in ("float32", "bfloat16", "float16"):
+    raise ValueError(f"dtype must be float32, bfloat16 or float16 (a name or a dtype such "
+                     f"as jnp.float32), got {dtype!r}")
+  return name
+
+
+def from_pretrained(path: str, dtype="float32") -> tuple[ModelConfig, dict]:
   """(model_cfg, params) from a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM dir.
 
-  Params are host numpy arrays of `dtype` (device_put them with the wanted shardings);
-  the returned config has both `dtype` and `param_dtype` set to `dtype`.
+  `dtype` is a name ("bfloat16") or a dtype object (jnp.bfloat16, np.float32). Params
+  are host numpy arrays of that dtype (device_put them with the wanted shardings); the
+  returned config has both `dtype` and `param_dtype` set to its name.
   Raises CheckpointError for anything it cannot read.
   """
+  dtype = dtype_name(dtype)
   cfg = config_from_hf(_read_json(os.path.join(path, "config.json")), dtype=dtype,
                        where=os.path.join(path, "config.json"))
   shapes = jax.eval_shape(init_params, cfg, jax.random.key(0))

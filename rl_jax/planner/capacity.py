@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rl_jax.errors import UserError
 from rl_jax.planner import memory as memory_lib
 from rl_jax.planner import profile as profile_lib
 from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, VerifierModel, prior_sampler,
@@ -35,7 +36,7 @@ from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, VerifierMod
 from rl_jax.planner.simulate import Prediction, Scenario, diagnose, simulate
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
   """A planning request that cannot be met: one sentence naming the flag or field."""
 
 

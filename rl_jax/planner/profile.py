@@ -49,11 +49,12 @@ import statistics
 
 import numpy as np
 
+from rl_jax.errors import UserError
 from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel
 from rl_jax.tasks.latency import Latency
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError, ValueError):
   """A pilot workdir that cannot be read or fitted: one sentence naming the file."""
 
 

@@ -61,28 +61,45 @@ def canonical_integer(text: str) -> str | None:
   return _canonical(text[0] if text[0] in "+-" else "", text.lstrip("+-"), None)
 
 
-def _first_number(segment: str) -> str | None:
+# Operators that, right after the number, make it part of an expression ("1234 * 2").
+# "+" and "-" are left out: after a final answer they are more often punctuation.
+_OPERATORS = frozenset("*/^=\u00d7\u00f7")
+
+
+def _sole_number(segment: str) -> str | None:
+  """The canonical number a marked answer commits to, or None when the segment holds no
+  number or more than the number: another digit after it (an alternative, "1234 or
+  1235"; more arithmetic, "1234 * 2"; an exponent, "1234e5"; a longer comma group,
+  "1,2345") or an operator right after it ("1234 * x"). Words without digits around it
+  are allowed ("#### The answer is $1,234 dollars.")."""
   m = _NUMBER.search(_normalise(segment))
-  return None if m is None else _canonical(m["sign"], m["int"], m["frac"])
+  if m is None:
+    return None
+  rest = segment[m.end():]
+  if any("0" <= ch <= "9" for ch in rest) or rest.lstrip()[:1] in _OPERATORS:
+    return None
+  return _canonical(m["sign"], m["int"], m["frac"])
 
 
 def extract_final_answer(text: str) -> tuple[str | None, str]:
   """The completion's final answer as (canonical number or None, source).
 
-  source is "####" (first number after the last "####" on its line), "boxed" (first
-  number inside the last \\boxed{...}), whichever marker occurs later; "last_number"
-  when neither marker occurs; "none" when there is no number at all. A marker without a
-  number after it gives (None, marker): the model committed to a non-answer.
+  source is "####" (the number after the last "####", on its line), "boxed" (the number
+  inside the last \\boxed{...}), whichever marker occurs later; "last_number" when
+  neither marker occurs; "none" when there is no number at all. A marker followed by no
+  number, or by a number with more after it (`_sole_number`: "#### 1234 or 1235",
+  "#### 1234 * 2", "#### 1234e5"), gives (None, marker): the model committed to a
+  non-answer, never to the first number of it.
   """
   text = _normalise(text)
   hashes, boxed = text.rfind(_HASHES), text.rfind(_BOXED)
   if hashes > boxed:
     line = text[hashes + len(_HASHES):].split("\n", 1)[0]
-    return _first_number(line), "####"
+    return _sole_number(line), "####"
   if boxed >= 0:
     start = boxed + len(_BOXED)
     end = text.find("}", start)
-    return _first_number(text[start:] if end < 0 else text[start:end]), "boxed"
+    return _sole_number(text[start:] if end < 0 else text[start:end]), "boxed"
   # The last match of a linear regex scan; finditer keeps memory O(1).
   last = None
   for last in _NUMBER.finditer(text):

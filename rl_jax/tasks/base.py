@@ -30,6 +30,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from rl_jax.errors import UserError
+
 # Training indices of a procedural task: large enough that no run exhausts them, small
 # enough for grain's index shuffle.
 PROCEDURAL_TRAIN_SIZE = 10**7
@@ -42,7 +44,7 @@ _MAX_TRAIN_REDRAWS = 1000
 _HELDOUT_STREAM = 0x6E1D0
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
   """A task is misconfigured (unknown name, bad field value, unusable data)."""
 
 

@@ -15,8 +15,14 @@ policy that sampled the tokens (its log-probs come from the sampler), pi_ref a f
 reference for the KL penalty.
 
 Everything except `group_advantages` (host-side numpy, it feeds the batch builder) is
-jax and jit-safe. Positions outside the mask may hold any value, NaN included: they
-are removed with `where`, never by multiplication, so padding cannot poison a loss.
+jax and jit-safe. Positions outside the mask may hold any value, NaN included: `grpo_loss`
+replaces them with 0 (`where`, before any arithmetic) so that neither the loss nor its
+gradient sees them; a masked-out NaN multiplied by a zero cotangent would still be NaN.
+
+Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before `exp`:
+exp(20) ~ 4.9e8 is finite in float32 (exp overflows above ~88.7, and one inf would make
+the whole update non-finite and skipped), and a ratio that far from 1 is outside any
+PPO clip range, so the clamp changes no clipped term; its gradient there is 0.
 """
 from __future__ import annotations
 
@@ -29,6 +35,12 @@ import numpy as np
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k3")
+LOG_RATIO_CLAMP = 20.0
+
+
+def safe_exp(log_x: jax.Array) -> jax.Array:
+  """exp(clip(log_x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)): a ratio that cannot overflow."""
+  return jnp.exp(jnp.clip(log_x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def group_advantages(*, rewards_ng: np.ndarray, std_normalize: bool,
@@ -112,14 +124,14 @@ def importance_ratio(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, mask_bt: ja
   token:     r_bt = exp(logp_bt - prox_bt)
   sequence:  r_bt = exp(mean_{t in mask} (logp_bt - prox_bt)), the same for every
              token of a row (GSPO's length-normalised sequence ratio).
-  Off-mask positions get ratio 1.
+  Off-mask positions get ratio 1; the log-ratio is clamped (module docstring, safe_exp).
   """
   log_r_bt = jnp.where(mask_bt, logp_bt - prox_logp_bt, 0.0)
   if ratio_level == "token":
-    return jnp.exp(log_r_bt)
+    return safe_exp(log_r_bt)
   if ratio_level == "sequence":
     len_b = jnp.maximum(mask_bt.sum(axis=1), 1).astype(jnp.float32)
-    r_b = jnp.exp(log_r_bt.sum(axis=1) / len_b)
+    r_b = safe_exp(log_r_bt.sum(axis=1) / len_b)
     return jnp.where(mask_bt, r_b[:, None], 1.0)
   raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
 
@@ -132,7 +144,7 @@ def tis_weight(*, prox_logp_bt: jax.Array, behavior_logp_bt: jax.Array,
   differ from the trainer's). No gradient flows through it. cap = 0 turns it off
   (w = 1, nothing truncated).
   """
-  raw_bt = jnp.exp(jax.lax.stop_gradient(prox_logp_bt - behavior_logp_bt))
+  raw_bt = safe_exp(jax.lax.stop_gradient(prox_logp_bt - behavior_logp_bt))
   if cap <= 0:
     return jnp.ones_like(raw_bt), jnp.zeros(raw_bt.shape, bool)
   return jnp.minimum(raw_bt, cap), raw_bt > cap
@@ -154,13 +166,14 @@ def kl_penalty(*, logp_bt: jax.Array, ref_logp_bt: jax.Array,
   """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by the policy.
 
   k1 = logp - ref_logp
-  k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1   (non-negative, lower variance)
+  k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1   (non-negative, lower variance;
+       the exponent is clamped as a log-ratio, module docstring)
   """
   if estimator == "k1":
     return logp_bt - ref_logp_bt
   if estimator == "k3":
     d_bt = ref_logp_bt - logp_bt
-    return jnp.exp(d_bt) - d_bt - 1.0
+    return safe_exp(d_bt) - d_bt - 1.0
   raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
@@ -182,8 +195,14 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
   or A > 0 and r > 1 + eps_high), tis_weight, tis_truncated, prox_gap (|logp_prox - mu|),
   kl_behavior (k3 estimate of KL(mu || pi_prox)), kl (the per-token KL to the
   reference). `ratio_bt` holds the ratios with NaN off the mask, for percentiles.
+  Every per-token input is zeroed off the mask first (module docstring), so the KL
+  penalty and the surrogate are finite there and NaN padding never reaches a gradient.
   """
-  prox_logp_bt = jax.lax.stop_gradient(prox_logp_bt)
+  on = lambda x_bt: jnp.where(mask_bt, x_bt, 0.0)
+  logp_bt, behavior_logp_bt = on(logp_bt), on(behavior_logp_bt)
+  prox_logp_bt = jax.lax.stop_gradient(on(prox_logp_bt))
+  if ref_logp_bt is not None:
+    ref_logp_bt = on(ref_logp_bt)
   ratio_bt = importance_ratio(logp_bt=logp_bt, prox_logp_bt=prox_logp_bt, mask_bt=mask_bt,
                               ratio_level=ratio_level)
   w_bt, truncated_bt = tis_weight(prox_logp_bt=prox_logp_bt,
@@ -212,7 +231,7 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
       tis_weight=masked_sum(x_bt=w_bt, mask_bt=mask_bt),
       tis_truncated=count(truncated_bt),
       prox_gap=masked_sum(x_bt=jnp.abs(log_gap_bt), mask_bt=mask_bt),
-      kl_behavior=masked_sum(x_bt=jnp.exp(log_gap_bt) - log_gap_bt - 1.0, mask_bt=mask_bt),
+      kl_behavior=masked_sum(x_bt=safe_exp(log_gap_bt) - log_gap_bt - 1.0, mask_bt=mask_bt),
       kl=kl_sum,
       ratio_bt=jnp.where(mask_bt, r_bt, jnp.nan),
   )
