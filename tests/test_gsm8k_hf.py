@@ -109,8 +109,8 @@ def test_config_variants_and_one_line_errors(files):
                      match=r"^config field 'model.path' is empty; .*--config.model.path="):
     config_lib.validate(cfg, num_devices=1)
   cfg.model.path = str(files / "nope")
-  with pytest.raises(config_lib.ConfigError, match=r"^config field 'model.path': checkpoint "
-                                                    r"directory '.*nope' does not exist$"):
+  with pytest.raises(config_lib.ConfigError, match=r"^config field 'model.path': '.*nope' is not "
+                                                    r"a directory \(a Hugging Face checkpoint"):
     config_lib.validate(cfg, num_devices=1)
   cfg.model.path, cfg.task.path = str(files / "ckpt"), ""
   with pytest.raises(config_lib.ConfigError, match=r"^config field 'task.path' is empty"):
