@@ -22,6 +22,8 @@ import json
 import os
 from typing import Any, Sequence
 
+from rl_jax.errors import UserError
+
 
 TEMPLATE_FILE = "chat_template.jinja"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a template may read.
@@ -33,7 +35,7 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end
                       "<|endoftext|>", "<|end_of_text|>")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError, ValueError):
   """A chat template that cannot be read or rendered; the message names the file."""
 
 
