@@ -206,16 +206,16 @@ def _choice(cfg, dotted: str, allowed: Sequence[str]) -> None:
            f"{', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def max_inflight_groups(cfg) -> int:
-  """Admission bound: in-flight + queued groups <= this."""
-  if cfg.rl.max_inflight_groups >= 0:
-    return int(cfg.rl.max_inflight_groups)
-  return (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step
+def mesh_devices(mesh_cfg) -> tuple[int, int, int]:
+  """(sampler devices, trainer devices, devices the mesh needs): a role's devices are the
+  product of its axis sizes; colocated roles share devices, split roles do not."""
+  s = math.prod(int(v) for v in dict(mesh_cfg.sampler).values())
+  t = math.prod(int(v) for v in dict(mesh_cfg.trainer).values())
+  return s, t, (max(s, t) if mesh_cfg.colocated else s + t)
 
 
 def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   """Checks values; returns cfg. Raises ConfigError naming the first bad field."""
-  from rl_jax import sharding  # jax import deferred so a bad config fails fast
 
   check_fields(cfg, base_config())
   _choice(cfg, "rl.mode", ("sync", "async"))
@@ -243,7 +243,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
            f"compare completions of one prompt; got {rl.group_size}")
   _require(rl.eval_every >= 0, f"config field 'rl.eval_every' must be >= 0; got {rl.eval_every}")
   if rl.mode == "async":
-    _require(max_inflight_groups(cfg) >= rl.groups_per_step,
+    from rl_jax.orchestration.policy import StalenessPolicy  # imports no jax
+    _require(StalenessPolicy.from_config(rl).max_inflight >= rl.groups_per_step,
              f"config field 'rl.max_inflight_groups' ({rl.max_inflight_groups}) must be >= "
              f"rl.groups_per_step ({rl.groups_per_step}) or the trainer can never fill a batch")
 
@@ -282,14 +283,12 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   if num_devices is None:
     import jax
     num_devices = jax.device_count()
-  need = sharding.required_devices(mesh)
+  ns, nt, need = mesh_devices(mesh)
   _require(need <= num_devices,
            f"config field 'mesh' asks for {need} devices (sampler "
            f"{dict(mesh.sampler)}, trainer {dict(mesh.trainer)}, colocated={mesh.colocated}) "
            f"but {num_devices} exist")
   if mesh.colocated:
-    ns = math.prod(dict(mesh.sampler).values())
-    nt = math.prod(dict(mesh.trainer).values())
     _require(ns == nt, f"config field 'mesh': colocated sampler ({ns} devices) and trainer "
              f"({nt} devices) must use the same devices")
   trainer_dp = mesh.trainer.get("data", 1) * mesh.trainer.get("fsdp", 1)

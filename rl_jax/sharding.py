@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from rl_jax import config as config_lib
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis names used by model parameters and activations.
@@ -92,12 +94,6 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
   return Mesh(np.asarray(devices, dtype=object).reshape(tuple(shape)), MESH_AXES)
 
 
-def required_devices(mesh_cfg) -> int:
-  s = math.prod(_shape(mesh_cfg.sampler))
-  t = math.prod(_shape(mesh_cfg.trainer))
-  return max(s, t) if mesh_cfg.colocated else s + t
-
-
 def make_meshes(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Meshes:
   """Split `devices` (default: all) into a sampler and a trainer mesh.
 
@@ -109,7 +105,7 @@ def make_meshes(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Meshes
   s_shape, t_shape = _shape(mesh_cfg.sampler), _shape(mesh_cfg.trainer)
   if s_shape[1] != 1:
     raise MeshError("mesh.sampler.fsdp must be 1: the sampler shards by tensor only")
-  need = required_devices(mesh_cfg)
+  need = config_lib.mesh_devices(mesh_cfg)[2]
   if need > len(devices):
     raise MeshError(
         f"mesh asks for {need} devices (sampler {s_shape}, trainer {t_shape}, "

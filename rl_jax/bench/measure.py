@@ -69,7 +69,8 @@ def tree_bytes(tree) -> int:
 
 def kv_bytes_per_token(model_cfg, dtype: str) -> int:
   c = model_cfg
-  return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+  return pt.kv_bytes_per_token(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, dtype_bytes=jnp.dtype(dtype).itemsize)
 
 
 def _seconds_per_call(fn, repeats: int) -> float:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import os
 
+from rl_jax import config as config_lib
+
 
 def prepare_host_devices(cfg) -> None:
   """Gives a CPU-only process as many host devices as the config's mesh needs.
@@ -12,9 +14,7 @@ def prepare_host_devices(cfg) -> None:
   the CPU platform, so it is harmless on GPU/TPU hosts. It must be set before JAX
   creates its backends (importing jax is fine, calling jax.devices() is not).
   """
-  s = math.prod(dict(cfg.mesh.sampler).values())
-  t = math.prod(dict(cfg.mesh.trainer).values())
-  need = max(s, t) if cfg.mesh.colocated else s + t
+  need = config_lib.mesh_devices(cfg.mesh)[2]
   try:
     processes = max(int(os.environ.get("JAX_NUM_PROCESSES", "1")), 1)
   except ValueError:
