@@ -59,8 +59,8 @@ def main(argv):
       tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
       what = f"{args.workdir} step {step}"
     config_lib.validate(cfg)
-    from rl_jax.orchestration import loop
-    result = loop.evaluate_params(cfg, model_cfg, params, tokenizer)
+    from rl_jax.orchestration import heldout
+    result = heldout.evaluate_params(cfg, model_cfg, params, tokenizer)
   except (config_lib.ConfigError, checkpoint_lib.RestoreError, model_lib.CheckpointError,
           OSError, ValueError) as e:
     sys.exit(f"error: {e}")

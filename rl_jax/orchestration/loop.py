@@ -42,12 +42,13 @@ from rl_jax import metrics as metrics_lib
 from rl_jax.orchestration import checkpointing
 from rl_jax.orchestration.accounting import Clock, RunAccounting
 from rl_jax.orchestration.errors import Preempted, RunError
+from rl_jax.orchestration.heldout import Heldout
 from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.orchestration.rollout_queue import RolloutQueue
 from rl_jax.orchestration.sampler_worker import Publication, SamplerWorker
 from rl_jax.types import Group
 
-__all__ = ["Pipeline", "Preempted", "RunError", "evaluate_params", "run"]
+__all__ = ["Pipeline", "Preempted", "RunError", "run"]
 
 
 class Pipeline:
@@ -78,10 +79,8 @@ class Pipeline:
     self.prompts = prompts_lib.make_prompt_source(
         self.task, cfg.data, self.tokenizer, seed=cfg.seed,
         process_index=shard[0], process_count=shard[1])
-    heldout_examples = self.task.heldout_examples()
-    records = prompts_lib.heldout_records(self.task, cfg.data, self.tokenizer)
-    self.heldout = [heldout_examples[r["index"]] for r in records]
-    self.heldout_prompts = [r["prompt_tokens"] for r in records]
+    self.heldout = Heldout(self.task, cfg.data, self.tokenizer,
+                           max_new_tokens=cfg.sampler.max_new_tokens)
 
     self.trainer = Trainer(self.model_cfg, cfg.trainer, self.meshes.trainer,
                            total_steps=cfg.rl.total_steps,
@@ -350,17 +349,14 @@ class Pipeline:
 
   def evaluate(self) -> float:
     """Greedy held-out reward with the current trainer params; pauses the sampler."""
-    from rl_jax.tasks import evaluate as evaluate_task
     self.acc.clock.pause()
     try:
       with self.worker.paused():
         with self.schedule.event("evaluate"):
           params, _ = self.weight_sync.transfer(self.state.params, self.version)
           self.evaluator.update_params(params, self.version)
-          completions = self.evaluator.generate(self.heldout_prompts, greedy=True,
-                                                max_new_tokens=self.cfg.sampler.max_new_tokens)
-        texts = [self.tokenizer.decode(c) for c in completions]
-        result = evaluate_task(self.task, self.heldout, texts)
+          completions = self.heldout.generate(self.evaluator)
+        result = self.heldout.score(completions)
     finally:
       self.acc.clock.resume()
     return float(result["reward_mean"])
@@ -482,25 +478,3 @@ def run(cfg, workdir: str) -> dict:
   summary = pipeline.run()
   multihost.write_digest(pipeline, summary)
   return summary
-
-
-def evaluate_params(cfg, model_cfg, params, tokenizer) -> dict:
-  """Greedy held-out evaluation of `params` (host or device arrays) with the pieces
-  Pipeline.evaluate uses: the same held-out prompts, engine, Generator.generate and
-  rl_jax.tasks.evaluate. Returns that dict (reward_mean, accuracy, n)."""
-  from rl_jax import sharding
-  from rl_jax.data import prompts as prompts_lib
-  from rl_jax.sampler.engine import Engine
-  from rl_jax.sampler.generator import Generator
-  from rl_jax.tasks import evaluate as evaluate_task
-  from rl_jax.tasks import make_task
-  meshes = sharding.make_meshes(cfg.mesh)
-  task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
-  examples = task.heldout_examples()
-  records = prompts_lib.heldout_records(task, cfg.data, tokenizer)
-  engine = Engine.from_config(cfg.sampler, model_cfg, mesh=meshes.sampler, tokenizer=tokenizer)
-  completions = Generator(engine, params).generate(
-      [r["prompt_tokens"] for r in records], greedy=True,
-      max_new_tokens=cfg.sampler.max_new_tokens)
-  texts = [tokenizer.decode(c) for c in completions]
-  return evaluate_task(task, [examples[r["index"]] for r in records], texts)

@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import math
 
 import numpy as np
 
 from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, VerifierModel
+from rl_jax.planner.queueing import EventQueue, ServerPool
 from rl_jax.trainer.buckets import pick_bucket
 
 
@@ -118,63 +118,6 @@ class Prediction:
   trainer_padded_tokens_per_s: float  # rows x length bucket, what the train step computes
   weight_sync_frac: float  # share of wall time the trainer spent publishing
   rows: list[dict]
-
-
-class EventQueue:
-  """Time-ordered events; ties keep insertion order."""
-
-  def __init__(self):
-    self._heap: list = []
-    self._n = 0
-
-  def push(self, time: float, kind: str, payload=None) -> None:
-    heapq.heappush(self._heap, (time, self._n, kind, payload))
-    self._n += 1
-
-  def pop(self):
-    time, _, kind, payload = heapq.heappop(self._heap)
-    return time, kind, payload
-
-  def __bool__(self) -> bool:
-    return bool(self._heap)
-
-
-class ServerPool:
-  """`servers` identical servers with one FIFO waiting line (the verifier pool).
-
-  arrive() returns the finish time when the item starts at once, else None (it waits);
-  depart() frees a server and returns (finish time, item) of the next waiter, if any.
-  """
-
-  def __init__(self, servers: int):
-    self.free = servers
-    self.line: collections.deque = collections.deque()
-    self.wait_total_s = 0.0
-    self.service_total_s = 0.0
-    self.started = 0
-
-  def arrive(self, now: float, item, service_s: float) -> float | None:
-    if self.free:
-      self.free -= 1
-      self.started += 1
-      self.service_total_s += service_s
-      return now + service_s
-    self.line.append((now, item, service_s))
-    return None
-
-  def depart(self, now: float):
-    if self.line:
-      arrived, item, service_s = self.line.popleft()
-      self.wait_total_s += now - arrived
-      self.started += 1
-      self.service_total_s += service_s
-      return now + service_s, item
-    self.free += 1
-    return None
-
-  @property
-  def mean_wait_s(self) -> float:
-    return self.wait_total_s / max(self.started, 1)
 
 
 @dataclasses.dataclass
@@ -260,15 +203,10 @@ class _Sim:
     self.train_s = 0.0
     self.done = False
     # Accounting.
-    self.sampler_busy_s = 0.0
-    self.trainer_busy_s = 0.0
-    self.sync_busy_s = 0.0
-    self.sampler_tokens = 0
-    self.trainer_tokens = 0
-    self.generated = 0
-    self.trained = 0
-    self.discarded_groups = 0
-    self.accepted_groups = 0
+    self.sampler_busy_s = self.trainer_busy_s = self.sync_busy_s = 0.0
+    self.sampler_tokens = self.trainer_tokens = 0
+    self.generated = self.trained = 0  # rollouts
+    self.discarded_groups = self.accepted_groups = 0
     self.age_total_s = 0.0
     self.hist: collections.Counter = collections.Counter()
     self.q_area = 0.0
