@@ -245,15 +245,19 @@ class _Sim:
                                       trainer_version=self.version)
 
   def _admit(self, now: float) -> None:
-    sc = self.sc
     while self._can_admit():
-      self.admitted += 1
-      gid = self.next_gid
-      self.next_gid += 1
-      lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
-      self.groups[gid] = _Group(admitted=now, lengths=lengths)
-      self.inflight += 1
-      self.pending.extend((gid, int(n)) for n in lengths)
+      self._admit_one(now)
+
+  def _admit_one(self, now: float) -> int:
+    sc = self.sc
+    self.admitted += 1
+    gid = self.next_gid
+    self.next_gid += 1
+    lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
+    self.groups[gid] = _Group(admitted=now, lengths=lengths)
+    self.inflight += 1
+    self.pending.extend((gid, int(n)) for n in lengths)
+    return gid
 
   def _boundary(self, now: float, steps: int) -> None:
     """The sampler reached a call boundary after `steps` decode steps of its segment."""
@@ -363,19 +367,8 @@ class _Sim:
     took = False
     self._note_change(now)
     while self.queue and len(self.batch) < sc.groups_per_step:
-      gid = self.queue.popleft()
+      self._take(now)
       took = True
-      group = self.groups.pop(gid)
-      staleness = self.version - int(group.min_version)
-      if not self.policy.accepts(staleness):
-        self.discarded_groups += 1
-        continue
-      self.accepted_groups += 1
-      self.trainer_held += 1
-      self.hist[staleness] += 1
-      self.age_total_s += now - group.admitted
-      self.batch.append(group)
-      self.batch_staleness.append(staleness)
     if len(self.batch) == sc.groups_per_step:
       self.trainer_busy = True  # the batch is full: no more pulls until the step ends
       self.held = sc.colocated
@@ -387,6 +380,21 @@ class _Sim:
         self._start_step(now)
     elif took:
       self._poke(now)
+
+  def _take(self, now: float) -> bool:
+    """Dequeues the oldest group into the batch, or discards it as the policy says."""
+    group = self.groups.pop(self.queue.popleft())
+    staleness = self.version - int(group.min_version)
+    if not self.policy.accepts(staleness):
+      self.discarded_groups += 1
+      return False
+    self.accepted_groups += 1
+    self.trainer_held += 1
+    self.hist[staleness] += 1
+    self.age_total_s += now - group.admitted
+    self.batch.append(group)
+    self.batch_staleness.append(staleness)
+    return True
 
   def _start_step(self, now: float) -> None:
     sc = self.sc
