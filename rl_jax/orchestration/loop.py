@@ -179,6 +179,7 @@ class Pipeline:
     except BaseException as e:
       self._stop_workers()
       self.schedule.abort(checkpointing.last_line(e), save=self._consistent)
+      step = self.worker.steps_done  # a follower's steps are those it replayed
       error = self.checkpoints.abort(e, step, self._consistent)
       if error is e:
         raise
