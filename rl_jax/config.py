@@ -206,16 +206,9 @@ def _choice(cfg, dotted: str, allowed: Sequence[str]) -> None:
            f"{', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def mesh_devices(mesh_cfg) -> tuple[int, int, int]:
-  """(sampler devices, trainer devices, devices the mesh needs): a role's devices are the
-  product of its axis sizes; colocated roles share devices, split roles do not."""
-  s = math.prod(int(v) for v in dict(mesh_cfg.sampler).values())
-  t = math.prod(int(v) for v in dict(mesh_cfg.trainer).values())
-  return s, t, (max(s, t) if mesh_cfg.colocated else s + t)
-
-
 def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   """Checks values; returns cfg. Raises ConfigError naming the first bad field."""
+  from rl_jax import sharding  # jax import deferred so a bad config fails fast
 
   check_fields(cfg, base_config())
   _choice(cfg, "rl.mode", ("sync", "async"))
@@ -283,7 +276,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   if num_devices is None:
     import jax
     num_devices = jax.device_count()
-  ns, nt, need = mesh_devices(mesh)
+  ns, nt, need = sharding.mesh_devices(mesh)
   _require(need <= num_devices,
            f"config field 'mesh' asks for {need} devices (sampler "
            f"{dict(mesh.sampler)}, trainer {dict(mesh.trainer)}, colocated={mesh.colocated}) "

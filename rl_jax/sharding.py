@@ -22,7 +22,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rl_jax import config as config_lib
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -94,6 +93,14 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
   return Mesh(np.asarray(devices, dtype=object).reshape(tuple(shape)), MESH_AXES)
 
 
+def mesh_devices(mesh_cfg) -> tuple[int, int, int]:
+  """(sampler devices, trainer devices, devices the mesh needs): a role's devices are the
+  product of its axis sizes; colocated roles share devices, split roles do not."""
+  s = math.prod(_shape(mesh_cfg.sampler))
+  t = math.prod(_shape(mesh_cfg.trainer))
+  return s, t, (max(s, t) if mesh_cfg.colocated else s + t)
+
+
 def make_meshes(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Meshes:
   """Split `devices` (default: all) into a sampler and a trainer mesh.
 
@@ -105,7 +112,7 @@ def make_meshes(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Meshes
   s_shape, t_shape = _shape(mesh_cfg.sampler), _shape(mesh_cfg.trainer)
   if s_shape[1] != 1:
     raise MeshError("mesh.sampler.fsdp must be 1: the sampler shards by tensor only")
-  need = config_lib.mesh_devices(mesh_cfg)[2]
+  need = mesh_devices(mesh_cfg)[2]
   if need > len(devices):
     raise MeshError(
         f"mesh asks for {need} devices (sampler {s_shape}, trainer {t_shape}, "

@@ -4,8 +4,6 @@ from __future__ import annotations
 import math
 import os
 
-from rl_jax import config as config_lib
-
 
 def prepare_host_devices(cfg) -> None:
   """Gives a CPU-only process as many host devices as the config's mesh needs.
@@ -14,7 +12,8 @@ def prepare_host_devices(cfg) -> None:
   the CPU platform, so it is harmless on GPU/TPU hosts. It must be set before JAX
   creates its backends (importing jax is fine, calling jax.devices() is not).
   """
-  need = config_lib.mesh_devices(cfg.mesh)[2]
+  from rl_jax import sharding  # importing jax creates no backend
+  need = sharding.mesh_devices(cfg.mesh)[2]
   try:
     processes = max(int(os.environ.get("JAX_NUM_PROCESSES", "1")), 1)
   except ValueError:

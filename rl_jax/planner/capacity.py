@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl_jax import config as config_lib
 from rl_jax.orchestration.policy import admission_bound
 from rl_jax.planner import memory as memory_lib
 from rl_jax.planner import profile as profile_lib
@@ -184,7 +183,8 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
 
 def pilot_layout(cfg) -> Layout:
   """The layout a config's mesh describes."""
-  s, t, _ = config_lib.mesh_devices(cfg.mesh)
+  from rl_jax import sharding
+  s, t, _ = sharding.mesh_devices(cfg.mesh)
   return Layout(s, t, colocated=bool(cfg.mesh.colocated))
 
 

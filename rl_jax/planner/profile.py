@@ -50,7 +50,6 @@ import statistics
 
 import numpy as np
 
-from rl_jax import config as config_lib
 from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel
 from rl_jax.tasks.latency import Latency
 
@@ -396,7 +395,8 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
     notes.append(f"prompt length: not logged; using data.max_prompt_length = {prompt}")
   prompt = int(round(prompt))
   replicas = int(cfg.mesh.sampler.get("data", 1))
-  trainer_devices = config_lib.mesh_devices(cfg.mesh)[1]
+  from rl_jax import sharding
+  trainer_devices = sharding.mesh_devices(cfg.mesh)[1]
   lengths = fit_lengths(pilot, notes)
   verifier = fit_verifier(pilot, notes)
   trainer = fit_trainer(pilot, prompt_tokens=prompt, trainer_devices=trainer_devices,
