@@ -81,6 +81,14 @@ class Reservoir:
           self.values[j] = v
 
 
+def _gain_per_hour(heldout: tuple, device_hours: float) -> float:
+  """Held-out reward gained since the start per device-hour (0 before any is known)."""
+  h0, h1 = heldout
+  if h0 is None or h1 is None or device_hours <= 0:
+    return 0.0
+  return (h1 - h0) / device_hours
+
+
 def _pct_row(prefix: str, values, qs=(50, 95, 99)) -> dict[str, float]:
   return {f"{prefix}_{k}": v for k, v in metrics_lib.percentiles(values, qs).items()}
 
@@ -158,9 +166,14 @@ class RunAccounting:
 
   # -- the metrics row -------------------------------------------------------------
 
-  def row(self, *, step: int, version: int, groups, tm: dict, heldout, generator,
+  def device_hours(self) -> float:
+    ns, nt, _ = self.devices
+    return (self.sampler_busy.busy_s * ns + self.trainer_busy.busy_s * nt) / 3600
+
+  def row(self, *, step: int, version: int, groups, tm: dict, heldout: tuple, generator,
           queue: dict, sync_bytes: int) -> dict:
-    """The metrics.jsonl row after optimizer step `step` (rates since the previous row)."""
+    """The metrics.jsonl row after optimizer step `step` (rates since the previous row);
+    heldout = (initial, latest) held-out reward."""
     with self.lock:
       finished, self.finished = self.finished, []
       vlat, self.verifier_latencies = self.verifier_latencies, []
@@ -201,13 +214,14 @@ class RunAccounting:
         "weight_sync/bytes": sync_bytes,
         **{f"weight_sync/{k}": v for k, v in sync.items()},
         "reward/train": float(np.mean([r.reward for g in groups for r in g.rollouts])),
-        "reward/heldout": heldout,
+        "reward/heldout": heldout[1],
         "staleness/accepted": sum(self.staleness_hist.values()),
         "staleness/discarded": self.counts["groups_discarded_stale"],
         "staleness/mean": float(np.mean(self.batch_staleness)),
         "staleness/max": int(np.max(self.batch_staleness)),
         "cost/sampler_device_s": self.sampler_busy.busy_s * self.devices[0],
         "cost/trainer_device_s": self.trainer_busy.busy_s * self.devices[1],
+        "cost/reward_gain_per_device_hour": _gain_per_hour(heldout, self.device_hours()),
     }
     row.update({f"staleness/hist_{k}": v for k, v in sorted(self.staleness_hist.items())})
     row.update({f"staleness/discarded_v{v}": n
@@ -260,8 +274,7 @@ class RunAccounting:
   def summary(self, *, wall: float, step: int, version: int, heldout: tuple[float, float],
               curve: list, max_queue_depth: int, groups_in_flight: int) -> dict:
     c, (h0, h1) = self.counts, heldout
-    ns, nt, total_devices = self.devices
-    device_hours = (self.sampler_busy.busy_s * ns + self.trainer_busy.busy_s * nt) / 3600
+    device_hours = self.device_hours()
     wall_ = max(wall, 1e-9)
     return {
         "mode": self.mode, "wall_time_s": wall, "optimizer_steps": step,
@@ -279,8 +292,8 @@ class RunAccounting:
         "verifier_status": self.verifier_statuses(),
         "max_queue_depth": max_queue_depth,
         "device_hours": device_hours,
-        "reward_gain_per_device_hour": (h1 - h0) / device_hours if device_hours > 0 else 0.0,
-        "devices": total_devices,
+        "reward_gain_per_device_hour": _gain_per_hour(heldout, device_hours),
+        "devices": self.devices[2],
         "timeline": {"sampler": self.sampler_busy.intervals[-5000:],
                      "trainer": self.trainer_busy.intervals[-5000:]},
         "staleness_definition": metrics_lib.DESCRIPTIONS["staleness"],

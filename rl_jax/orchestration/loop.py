@@ -229,7 +229,8 @@ class Pipeline:
   def _log_row(self, step: int, groups, tm: dict, heldout) -> None:
     if step % self.cfg.metrics.log_every and step != self.cfg.rl.total_steps:
       return
-    row = self.acc.row(step=step, version=self.version, groups=groups, tm=tm, heldout=heldout,
+    row = self.acc.row(step=step, version=self.version, groups=groups, tm=tm,
+                       heldout=(self.heldout_initial, heldout),
                        generator=self.worker.generator, queue=self.queue.snapshot(),
                        sync_bytes=self.weight_sync.bytes)
     self.writer.write(step, row)
