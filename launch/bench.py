@@ -30,7 +30,7 @@ def train(args):
   import jax
   from configs import base
   from rl_jax import model
-  from rl_jax.trainer import benchmark
+  from rl_jax.bench import trainer as benchmark
 
   model_cfg = model.get_preset(args.preset).replace(dtype=args.dtype, remat=args.remat)
   trainer_cfg = base.get_config().trainer
@@ -48,7 +48,7 @@ def train(args):
 
 def sampler(args):
   """Rollout tokens/s and latency: recompute vs static dense batches vs paged continuous."""
-  from rl_jax.sampler import benchmark
+  from rl_jax.bench import sampler as benchmark
 
   row = benchmark.run_sampler_benchmark(
       preset=args.preset, requests=args.requests, median=args.median,

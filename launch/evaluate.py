@@ -59,8 +59,8 @@ def _main(argv):
     tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
     what = f"{args.workdir} step {step}"
   config_lib.validate(cfg)
-  from rl_jax.orchestration import loop
-  result = loop.evaluate_params(cfg, model_cfg, params, tokenizer)
+  from rl_jax.orchestration import heldout
+  result = heldout.evaluate_params(cfg, model_cfg, params, tokenizer)
   print(f"held-out reward {result['reward_mean']:.4f} accuracy {result['accuracy']:.4f} "
         f"on {result['n']} prompts (greedy) of {what}")
 

@@ -36,10 +36,8 @@ def _main(argv):
   from rl_jax.sampler import engine as engine_lib
   from rl_jax.sampler import jetstream_adapter
 
-  if cfg.model.path:
-    model_cfg, params = model.from_pretrained(cfg.model.path, dtype=cfg.sampler.dtype)
-  else:
-    model_cfg, params = model.get_preset(cfg.model.preset), None
+  model_cfg, params = model.from_run_config(cfg.model, weights=True,
+                                            weights_dtype=cfg.sampler.dtype)
   tensor = int(cfg.mesh.sampler.get("tensor", 1))
   mesh = sharding.make_mesh((1, 1, tensor), jax.devices()[:tensor])
   engine = engine_lib.Engine.from_config(

@@ -78,14 +78,7 @@ def validate_config(cfg) -> None:
 def model_config(cfg):
   """The ModelConfig a run of `cfg` builds, without loading any weights."""
   from rl_jax import model as model_lib
-  from rl_jax.model import hf_io
-  if cfg.model.path:
-    with open(os.path.join(cfg.model.path, "config.json")) as f:
-      mc = hf_io.config_from_hf(json.load(f), where=os.path.join(cfg.model.path, "config.json"))
-  else:
-    mc = model_lib.get_preset(cfg.model.preset)
-  return mc.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                    remat=cfg.model.remat)
+  return model_lib.from_run_config(cfg.model)[0]
 
 
 def model_config_from_dict(fields: dict):

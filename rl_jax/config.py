@@ -219,13 +219,6 @@ def _choice(cfg, dotted: str, allowed: Sequence[str]) -> None:
            f"{', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def max_inflight_groups(cfg) -> int:
-  """Admission bound: in-flight + queued groups <= this."""
-  if cfg.rl.max_inflight_groups >= 0:
-    return int(cfg.rl.max_inflight_groups)
-  return (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step
-
-
 def _check_files(cfg) -> None:
   """What a chat-formatted run needs beyond check_inputs: the checkpoint's own tokenizer."""
   if cfg.data.chat:
@@ -386,7 +379,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
 def _check_cross_fields(cfg) -> None:
   rl, s, t = cfg.rl, cfg.sampler, cfg.trainer
   if rl.mode == "async":
-    _require(max_inflight_groups(cfg) >= rl.groups_per_step,
+    from rl_jax.orchestration.policy import StalenessPolicy  # imports no jax
+    _require(StalenessPolicy.from_config(rl).max_inflight >= rl.groups_per_step,
              f"config field 'rl.max_inflight_groups' ({rl.max_inflight_groups}) must be >= "
              f"rl.groups_per_step ({rl.groups_per_step}) or the trainer can never fill a batch")
   _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets)
@@ -416,14 +410,12 @@ def _check_mesh(cfg, sharding, num_devices: int | None) -> None:
   if num_devices is None:
     import jax
     num_devices = jax.device_count()
-  need = sharding.required_devices(mesh)
+  ns, nt, need = sharding.mesh_devices(mesh)
   _require(need <= num_devices,
            f"config field 'mesh' asks for {need} devices (sampler "
            f"{dict(mesh.sampler)}, trainer {dict(mesh.trainer)}, colocated={mesh.colocated}) "
            f"but {num_devices} exist")
   if mesh.colocated:
-    ns = math.prod(dict(mesh.sampler).values())
-    nt = math.prod(dict(mesh.trainer).values())
     _require(ns == nt, f"config field 'mesh': colocated sampler ({ns} devices) and trainer "
              f"({nt} devices) must use the same devices")
   trainer_dp = mesh.trainer.get("data", 1) * mesh.trainer.get("fsdp", 1)

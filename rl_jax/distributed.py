@@ -146,6 +146,3 @@ def process_count() -> int:
   import jax
   return jax.process_count()
 
-
-def is_main_process() -> bool:
-  return process_index() == 0

@@ -8,7 +8,10 @@ Names are flat and prefixed by area, following the seed's monitoring table:
   queue/*        depth, enqueue_rate, dequeue_rate, oldest_age_s, inflight_groups
   staleness/*    mean, max, hist_<k> (accepted groups by staleness k), accepted,
                  discarded, discarded_v<version> (discards by behaviour version)
-  weight_sync/*  duration_s, bytes, lag_s (publish -> first sampler step on it), version
+  weight_sync/*  transfer_s (train step done -> sampler copy landed; duration_s is the
+                 same), wait_inflight_s (copy staged -> swapped in by the sampler between
+                 decode calls), pause_s (sampler-thread time taking the weights), lag_s
+                 (publish -> first sampler step on it), bytes, version
   policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...
   optim/*        loss, pg_loss, grad_norm, update_norm, skipped_nonfinite, learning_rate
   reward/*       train (mean over the trained batch), heldout (greedy, fixed held-out set)
@@ -32,6 +35,13 @@ DESCRIPTIONS = {
     "staleness": "trainer_version - min(token_versions) at consumption, in published versions; "
                  "group staleness = max over its rollouts",
     "weight_sync/lag_s": "seconds from publication to the first sampler step using that version",
+    "weight_sync/transfer_s": "seconds from the end of the train step to the sampler's copy "
+                              "of the new weights having landed (the transfer alone)",
+    "weight_sync/wait_inflight_s": "seconds the staged weights waited for the sampler's "
+                                   "in-flight decode call (or drain) before the swap",
+    "weight_sync/pause_s": "seconds the sampler thread spent taking the new weights",
+    "queue/enqueue_rate": "verified groups put on the queue per second since the last row",
+    "queue/dequeue_rate": "groups the trainer took from the queue per second since the last row",
     "reward/heldout": "mean correctness reward of greedy completions on the fixed held-out set",
 }
 

@@ -94,10 +94,12 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
   return Mesh(np.asarray(devices, dtype=object).reshape(tuple(shape)), MESH_AXES)
 
 
-def required_devices(mesh_cfg) -> int:
+def mesh_devices(mesh_cfg) -> tuple[int, int, int]:
+  """(sampler devices, trainer devices, devices the mesh needs): a role's devices are the
+  product of its axis sizes; colocated roles share devices, split roles do not."""
   s = math.prod(_shape(mesh_cfg.sampler))
   t = math.prod(_shape(mesh_cfg.trainer))
-  return max(s, t) if mesh_cfg.colocated else s + t
+  return s, t, (max(s, t) if mesh_cfg.colocated else s + t)
 
 
 def make_meshes(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Meshes:
@@ -111,7 +113,7 @@ def make_meshes(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Meshes
   s_shape, t_shape = _shape(mesh_cfg.sampler), _shape(mesh_cfg.trainer)
   if s_shape[1] != 1:
     raise MeshError("mesh.sampler.fsdp must be 1: the sampler shards by tensor only")
-  need = required_devices(mesh_cfg)
+  need = mesh_devices(mesh_cfg)[2]
   if need > len(devices):
     raise MeshError(
         f"mesh asks for {need} devices (sampler {s_shape}, trainer {t_shape}, "

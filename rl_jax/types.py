@@ -13,10 +13,6 @@ from typing import Any
 
 import numpy as np
 
-FINISH_REASONS = ("stop", "length", "aborted")
-VERIFIER_STATUSES = ("ok", "timeout", "error", "pending")
-
-
 @dataclasses.dataclass
 class Rollout:
   """One completion. Arrays are numpy; per-token arrays have length t."""
@@ -26,9 +22,9 @@ class Rollout:
   completion_tokens: np.ndarray  # int32 [t]
   behavior_logprobs: np.ndarray  # float32 [t], log-prob under the sampled distribution
   token_versions: np.ndarray  # int32 [t], policy version that produced each token
-  finish_reason: str = "stop"
+  finish_reason: str = "stop"  # stop | length | aborted
   reward: float = 0.0
-  verifier_status: str = "pending"
+  verifier_status: str = "pending"  # pending | ok | timeout | error
   reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
   completion_text: str = ""
   # Wall-clock timestamps (time.time()); 0.0 until reached.
@@ -68,7 +64,3 @@ class Group:
 
   def staleness(self, trainer_version: int) -> int:
     return max(r.staleness(trainer_version) for r in self.rollouts)
-
-  @property
-  def rewards(self) -> np.ndarray:
-    return np.asarray([r.reward for r in self.rollouts], np.float32)

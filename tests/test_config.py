@@ -125,7 +125,9 @@ def test_colocated_single_device():
                 "--config.mesh.trainer.data=1", "--config.mesh.trainer.fsdp=1",
                 "--config.mesh.trainer.tensor=1")
   config_lib.validate(cfg, num_devices=1)
-  assert config_lib.max_inflight_groups(cfg) == (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step
+  from rl_jax.orchestration.policy import StalenessPolicy
+  assert (StalenessPolicy.from_config(cfg.rl).max_inflight ==
+          (cfg.rl.max_staleness + 1) * cfg.rl.groups_per_step)
 
 
 def _flat(d, prefix=""):

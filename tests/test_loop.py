@@ -31,23 +31,23 @@ def make_cfg(*overrides):
 def run_pipeline(cfg, workdir):
   pipe = loop.Pipeline(cfg, str(workdir))
   rollouts = []
-  original = pipe._on_rollout_finished
+  original = pipe.worker.on_rollout_finished
 
   def capture(r):
     rollouts.append(r)
     original(r)
-  pipe._on_rollout_finished = capture
+  pipe.worker.on_rollout_finished = capture
   summary = pipe.run()
   return pipe, summary, rollouts
 
 
 def check_common(pipe, summary, rollouts, workdir, max_staleness):
   cfg = pipe.cfg
-  versions = [v for v, _, _ in pipe.trained_log]
+  versions = [v for v, _, _ in pipe.acc.trained_log]
   assert versions == sorted(versions), "trainer versions must be monotone"
   assert summary["policy_version"] == cfg.rl.total_steps // cfg.rl.weight_sync_every
-  assert all(s <= max_staleness for _, _, s in pipe.trained_log)
-  assert len(pipe.trained_log) == cfg.rl.total_steps * cfg.rl.groups_per_step
+  assert all(s <= max_staleness for _, _, s in pipe.acc.trained_log)
+  assert len(pipe.acc.trained_log) == cfg.rl.total_steps * cfg.rl.groups_per_step
   # every rollout is accounted for: trained, discarded as stale, or still in flight
   assert summary["rollouts_generated"] == len(rollouts)
   assert summary["rollouts_trained"] == cfg.rl.total_steps * cfg.rl.groups_per_step * cfg.rl.group_size
@@ -85,7 +85,7 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
   check_common(pipe, summary, rollouts, tmp_path, max_staleness=1)
   # admission control: in-flight + queued + being trained never exceeds (S + 1) * B
-  assert pipe.queue.max_inflight == 2 * cfg.rl.groups_per_step
+  assert pipe.queue.policy.max_inflight == 2 * cfg.rl.groups_per_step
   assert summary["mode"] == "async"
   # in-flight weight updates: some completions span a publication, and every segment's
   # version was published before the completion finished
@@ -93,7 +93,7 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   assert mixed, "expected rollouts generated across a weight update"
   for r in mixed:
     for v in np.unique(r.token_versions):
-      assert pipe._published_at[int(v)] <= r.finished
+      assert pipe.worker.published_at[int(v)] <= r.finished
 
 
 @pytest.mark.parametrize("sync_every", [1, 2])
@@ -108,7 +108,7 @@ def test_sync_trains_only_on_policy(tmp_path, sync_every):
   assert not any(r.mixed_versions for r in rollouts)
   # each version's groups were trained at exactly that version
   by_version = {}
-  for v, gid, s in pipe.trained_log:
+  for v, gid, s in pipe.acc.trained_log:
     by_version.setdefault(v, []).append(gid)
   assert sorted(by_version) == list(range(cfg.rl.total_steps // sync_every))
   assert all(len(g) == sync_every * cfg.rl.groups_per_step for g in by_version.values())

@@ -248,14 +248,15 @@ def test_worker_failure_saves_and_stops_every_thread(tmp_path, monkeypatch):
                                   "--config.metrics.console=false"])
   config_lib.validate(cfg)
   calls = {"n": 0}
-  original = loop.Pipeline._record_verified
+  from rl_jax.orchestration.sampler_worker import SamplerWorker
+  original = SamplerWorker._record_verified
 
   def failing(self, key, result):
     calls["n"] += 1
     if calls["n"] > 40:
       raise KeyError("verifier exploded")
     return original(self, key, result)
-  monkeypatch.setattr(loop.Pipeline, "_record_verified", failing)
+  monkeypatch.setattr(SamplerWorker, "_record_verified", failing)
   with pytest.raises(loop.RunError) as info:
     loop.Pipeline(cfg, str(tmp_path)).run()
   # Not the verifier-patience error a swallowed exception would end in.

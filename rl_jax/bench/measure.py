@@ -21,7 +21,7 @@ Prefill. Engine.prefill of one prompt of `length` tokens (batch 1, as the genera
 prefills once per group). Model FLOPs = length x (2 N_mm + 2 L length H D_h), N_mm
 without the embedding and the vocabulary projection (prefill computes no logits).
 
-Train. rl_jax.trainer.benchmark.run_train_benchmark, whose FLOPs formula gives MFU.
+Train. rl_jax.bench.trainer.run_train_benchmark, whose FLOPs formula gives MFU.
 
 Weight sync. WeightSync.transfer of the whole model, colocated on one device: fp32
 trainer params -> sampler dtype. The least traffic it can do is reading the fp32
@@ -43,7 +43,7 @@ from rl_jax import sharding as shd
 from rl_jax.orchestration.weight_sync import WeightSync
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
-from rl_jax.trainer import benchmark as train_bench
+from rl_jax.bench import trainer as train_bench
 
 # configs/base.py's trainer section, as a plain namespace: the benchmark path must not
 # need ml_collections (tests/test_bench.py checks the two agree).
@@ -69,7 +69,8 @@ def tree_bytes(tree) -> int:
 
 def kv_bytes_per_token(model_cfg, dtype: str) -> int:
   c = model_cfg
-  return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+  return pt.kv_bytes_per_token(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, dtype_bytes=jnp.dtype(dtype).itemsize)
 
 
 def _seconds_per_call(fn, repeats: int) -> float:

@@ -4,7 +4,8 @@ Parameters are plain nested dicts of arrays; `param_logical_axes` gives the matc
 logical axis names for rl_jax.sharding. `forward` takes a pluggable attention so the
 sampler's paged KV cache runs the same layer code as `apply` (training).
 """
-from rl_jax.model.hf_io import CheckpointError, from_pretrained, save_pretrained
+from rl_jax.model.hf_io import (CheckpointError, from_pretrained, from_run_config,
+                                save_pretrained)
 from rl_jax.model.presets import PRESETS, ModelConfig, get_preset, num_params
 from rl_jax.model.tokenizer import (CharTokenizer, HFTokenizer, format_prompt,
                                     load_tokenizer)
@@ -13,7 +14,8 @@ from rl_jax.model.transformer import (apply, causal_attention, forward, gqa_atte
 
 __all__ = [
     "CharTokenizer", "CheckpointError", "HFTokenizer", "ModelConfig", "PRESETS", "apply",
-    "causal_attention", "format_prompt", "forward", "from_pretrained", "get_preset",
+    "causal_attention", "format_prompt", "forward", "from_pretrained", "from_run_config",
+    "get_preset",
     "gqa_attention", "init_params", "load_tokenizer", "num_params", "param_logical_axes",
     "save_pretrained",
 ]

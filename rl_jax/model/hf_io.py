@@ -248,6 +248,24 @@ def dtype_name(dtype) -> str:
   return name
 
 
+def from_run_config(section, *, weights: bool = False,
+                    weights_dtype: str = "float32") -> tuple[ModelConfig, dict | None]:
+  """The model a run's `model` config section names: model.path's Hugging Face config
+  (its params too, host arrays of `weights_dtype`, when `weights`) or model.preset
+  (params None), with the section's dtype, param_dtype and remat."""
+  from rl_jax.model.presets import get_preset
+  params = None
+  if not section.path:
+    mc = get_preset(section.preset)
+  elif weights:
+    mc, params = from_pretrained(section.path, dtype=weights_dtype)
+  else:
+    where = os.path.join(section.path, "config.json")
+    mc = config_from_hf(_read_json(where), where=where)
+  return mc.replace(dtype=section.dtype, param_dtype=section.param_dtype,
+                    remat=section.remat), params
+
+
 def from_pretrained(path: str, dtype="float32") -> tuple[ModelConfig, dict]:
   """(model_cfg, params) from a Hugging Face LlamaForCausalLM / Qwen2ForCausalLM dir.
 

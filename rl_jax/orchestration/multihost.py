@@ -17,6 +17,10 @@ decided on one process and replayed on the others:
              log in order and performs each event with the leader's decisions, so their
              launch order is the leader's by construction.
 
+`Schedule` is the one interface the pipeline sees: single process it logs nothing; on
+the leader `event` / `put` append to the log while the RL loop runs; on a follower
+`follow` replays the log through the pipeline's handlers for each kind of event.
+
   event     decisions carried                 work launched
   sample    ids of groups admitted, version   prefill/insert/generate (one Generator.step)
             of weights to swap in (or none)
@@ -55,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_jax import sharding as sharding_lib
+from rl_jax.orchestration.errors import RunError
 
 
 class MultiHostError(RuntimeError):
@@ -120,6 +125,68 @@ class EventLog:
     return kind, payload
 
 
+class Schedule:
+  """The order of device work across processes (module docstring); `events` None for a
+  single process."""
+
+  def __init__(self, events: EventLog | None):
+    self.events = events
+    self.follower = events is not None and not events.leader
+    self.logging = False  # the leader logs only while the RL loop runs
+
+  def start(self) -> None:
+    self.logging = self.events is not None and not self.follower
+
+  def launch_lock(self):
+    """Held while deciding and launching one piece of logged work."""
+    return self.events.lock if self.logging else contextlib.nullcontext()
+
+  def put(self, kind: str, **payload) -> None:
+    """Appends an event; call with `launch_lock()` held and only while `logging`."""
+    self.events.put(kind, **payload)
+
+  def event(self, kind: str, **payload):
+    """Context that logs the event and holds the lock while its body launches the work."""
+    if not self.logging:
+      return contextlib.nullcontext()
+    return self.events.event(kind, **payload)
+
+  def end(self) -> None:
+    if self.logging:
+      with self.events.lock:
+        self.events.put("end")
+      self.logging = False
+
+  def abort(self, message: str, save: bool) -> None:
+    """Tells the followers to stop (best effort: a sampler stuck in a collective, because
+    a follower died, keeps the lock)."""
+    if not self.logging:
+      return
+    self.logging = False
+    if self.events.lock.acquire(timeout=60):
+      try:
+        self.events.put("abort", message=message, save=save)
+      finally:
+        self.events.lock.release()
+
+  def follow(self, handlers: dict, on_abort) -> None:
+    """Follower: performs process 0's events in its order until its end event, each by
+    `handlers[kind](payload)`; an abort event calls `on_abort(payload)` and raises."""
+    while True:
+      try:
+        kind, payload = self.events.next()
+      except MultiHostError as e:
+        raise RunError(str(e)) from None
+      if kind == "end":
+        return
+      if kind == "abort":
+        on_abort(payload)
+        raise RunError(f"process 0 stopped the run: {payload['message']}")
+      if kind not in handlers:
+        raise RunError(f"unknown event {kind!r} from process 0 (different rl_jax versions?)")
+      handlers[kind](payload)
+
+
 def role_devices() -> list:
   """Global devices ordered round-robin over processes (device order within each)."""
   devices = jax.devices()
@@ -157,7 +224,7 @@ class ReplicatedOutputs:
     state, out = self._engine.generate(params, state, num_slots=num_slots)
     fn = self._replicate.get(num_slots)
     if fn is None:
-      in_sh = self._engine._output_shardings(num_slots)  # pylint: disable=protected-access
+      in_sh = jax.tree.map(lambda x: x.sharding, out)
       rep = jax.tree.map(lambda _: sharding_lib.replicated(self._engine.mesh), in_sh)
       fn = self._replicate[num_slots] = jax.jit(lambda x: x, in_shardings=(in_sh,),
                                                 out_shardings=rep)
@@ -176,7 +243,8 @@ def params_digest(params, mesh) -> list[list[float]]:
 
 
 def write_digest(pipeline, summary: dict) -> None:
-  """Writes `<RL_JAX_DIGEST>.<process index>` when RL_JAX_DIGEST is set (every process)."""
+  """Writes `<RL_JAX_DIGEST>.<process index>` when RL_JAX_DIGEST is set (every process);
+  `pipeline` has version, state.params and meshes.trainer."""
   path = os.environ.get("RL_JAX_DIGEST")
   if not path:
     return

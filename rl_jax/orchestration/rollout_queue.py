@@ -1,12 +1,11 @@
 """A bounded FIFO of verified groups, with the accounting that drives admission.
 
 The sampler thread admits a group only when `can_admit()`; verifier callbacks `put`
-completed groups; the trainer `get`s them and `release`s them once the policy version
-they were trained into is published. Admission counts a group from the moment it is
-admitted until that release, so the queue can never hold more than its bound, a put
-never blocks, and a group admitted now is at most max_staleness versions old when the
-trainer reaches it. (Releasing at dequeue instead would let the sampler refill the
-batch being trained with groups that are consumed one version too late.)
+completed groups; the trainer `get`s them and `release`s them when the staleness policy
+returns their admission credit (rl_jax/orchestration/policy.py). Admission counts a group
+from the moment it is admitted until that release, so the queue can never hold more than
+its bound, a put never blocks, and a group admitted now is at most max_staleness versions
+old when the trainer reaches it.
 """
 from __future__ import annotations
 
@@ -14,15 +13,15 @@ import collections
 import threading
 import time
 
+from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.types import Group
 
 
 class RolloutQueue:
   """Eligible-group queue. Thread-safe; no lock is held across device work."""
 
-  def __init__(self, maxsize: int, max_inflight: int):
-    self.maxsize = int(maxsize)
-    self.max_inflight = int(max_inflight)
+  def __init__(self, policy: StalenessPolicy):
+    self.policy = policy
     self._q: collections.deque[Group] = collections.deque()
     self._cv = threading.Condition()
     self.inflight = 0  # admitted, not yet in the queue (sampling or verifying)
@@ -33,20 +32,13 @@ class RolloutQueue:
     self._closed = False
 
   def can_admit(self, n: int = 1) -> bool:
-    """Admission control: in-flight + queued stays within both bounds."""
     with self._cv:
-      outstanding = self.inflight + len(self._q) + n
-      return (outstanding + self.held <= self.max_inflight and outstanding <= self.maxsize)
+      return self.policy.can_admit(inflight=self.inflight, queued=len(self._q),
+                                   held=self.held, n=n)
 
   def admitted(self, n: int = 1) -> None:
     with self._cv:
       self.inflight += n
-
-  def abandon(self, n: int = 1) -> None:
-    """An admitted group that will never arrive (aborted)."""
-    with self._cv:
-      self.inflight -= n
-      self._cv.notify_all()
 
   def put(self, group: Group) -> None:
     with self._cv:
@@ -54,8 +46,9 @@ class RolloutQueue:
       self.inflight -= 1
       self._q.append(group)
       self.enqueued_total += 1
-      if len(self._q) > self.maxsize:
-        raise RuntimeError(f"rollout queue exceeded its bound {self.maxsize}: admission bug")
+      if len(self._q) > self.policy.queue_maxsize:
+        raise RuntimeError(f"rollout queue exceeded its bound {self.policy.queue_maxsize}: "
+                           f"admission bug")
       self.max_depth_seen = max(self.max_depth_seen, len(self._q))
       self._cv.notify_all()
 
@@ -75,7 +68,7 @@ class RolloutQueue:
       return self._q.popleft()
 
   def release(self, n: int = 1) -> None:
-    """Groups the trainer has finished with (trained and published, or discarded)."""
+    """Groups the trainer has finished with (credit returned by the policy, or discarded)."""
     with self._cv:
       self.held -= n
       self._cv.notify_all()
@@ -89,16 +82,9 @@ class RolloutQueue:
     with self._cv:
       self._cv.wait(timeout)
 
-  @property
-  def depth(self) -> int:
-    with self._cv:
-      return len(self._q)
-
-  def oldest_age(self) -> float:
-    with self._cv:
-      return time.time() - self._q[0].enqueued if self._q else 0.0
-
   def snapshot(self) -> dict:
+    """depth, inflight, held, enqueued_total, dequeued_total and oldest_age_s (seconds the
+    oldest queued group has waited)."""
     with self._cv:
       return dict(depth=len(self._q), inflight=self.inflight, held=self.held,
                   enqueued_total=self.enqueued_total, dequeued_total=self.dequeued_total,

@@ -12,9 +12,8 @@ def prepare_host_devices(cfg) -> None:
   the CPU platform, so it is harmless on GPU/TPU hosts. It must be set before JAX
   creates its backends (importing jax is fine, calling jax.devices() is not).
   """
-  s = math.prod(dict(cfg.mesh.sampler).values())
-  t = math.prod(dict(cfg.mesh.trainer).values())
-  need = max(s, t) if cfg.mesh.colocated else s + t
+  from rl_jax import sharding  # importing jax creates no backend
+  need = sharding.mesh_devices(cfg.mesh)[2]
   try:
     processes = max(int(os.environ.get("JAX_NUM_PROCESSES", "1")), 1)
   except ValueError:

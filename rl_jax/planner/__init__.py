@@ -3,6 +3,7 @@
   models     throughput / length / latency models, roofline priors, DeviceSpec
   memory     per-device memory of sampler and trainer, and whether a layout fits
   simulate   discrete-event simulation of the sync / async loop -> Prediction
+  queueing   its event queue and verifier server pool
   profile    fit the models from a pilot workdir; steady-state metrics of a run
   capacity   sweep sampler / trainer splits, reject, rank, sensitivity, validation
   render     text tables and the PNG
@@ -16,4 +17,5 @@ from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, SamplerMode
                                    VerifierModel)
 from rl_jax.planner.profile import Pilot, Profile, ProfileError, steady_state
 from rl_jax.planner.render import format_plan, format_validation, plot_plan
-from rl_jax.planner.simulate import Prediction, Scenario, ServerPool, diagnose, simulate
+from rl_jax.planner.queueing import ServerPool
+from rl_jax.planner.simulate import Prediction, Scenario, diagnose, simulate

@@ -26,8 +26,8 @@ calls of 1 ms plus the configured injected latency.
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from rl_jax.orchestration.policy import admission_bound
 from rl_jax.errors import UserError
 from rl_jax.planner import memory as memory_lib
 from rl_jax.planner import profile as profile_lib
@@ -122,9 +122,10 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
   rl, s = cfg.rl, cfg.sampler
   t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
   staleness = rl.max_staleness if max_staleness is None else max_staleness
-  inflight = rl.max_inflight_groups if max_inflight_groups is None else max_inflight_groups
-  if inflight < 0:
-    inflight = (staleness + 1) * rl.groups_per_step
+  inflight = admission_bound(
+      max_staleness=staleness, groups_per_step=rl.groups_per_step,
+      max_inflight_groups=rl.max_inflight_groups if max_inflight_groups is None
+      else max_inflight_groups)
   kv_tok = memory_lib.kv_bytes_per_token(num_layers=model_cfg.num_layers,
                                          num_kv_heads=model_cfg.num_kv_heads,
                                          head_dim=model_cfg.head_dim, dtype=s.dtype)
@@ -183,8 +184,8 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
 
 def pilot_layout(cfg) -> Layout:
   """The layout a config's mesh describes."""
-  s = math.prod(int(v) for v in dict(cfg.mesh.sampler).values())
-  t = math.prod(int(v) for v in dict(cfg.mesh.trainer).values())
+  from rl_jax import sharding
+  s, t, _ = sharding.mesh_devices(cfg.mesh)
   return Layout(s, t, colocated=bool(cfg.mesh.colocated))
 
 
@@ -307,7 +308,8 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
     if len(staleness_values) > 1 or len(inflight_values) > 1:
       notes.append("sync mode: staleness bound 0 and one batch in flight; sweeps ignored")
     staleness_values, inflight_values = [0], [rl.groups_per_step]
-  settings = sorted({(st, (st + 1) * rl.groups_per_step if inf < 0 else inf)
+  settings = sorted({(st, admission_bound(max_staleness=st, groups_per_step=rl.groups_per_step,
+                                          max_inflight_groups=inf))
                      for st in staleness_values for inf in inflight_values})
   model_cfg, params = model_shape(cfg)
   memory_gib = memory_gib or device.memory_gib

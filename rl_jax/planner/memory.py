@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from rl_jax.sampler import page_table
+from rl_jax.trainer.buckets import pick_bucket
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-  """2 * layers * kv_heads * head_dim * bytes(dtype)."""
-  return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+  """rl_jax.sampler.page_table.kv_bytes_per_token with the dtype by name."""
+  return page_table.kv_bytes_per_token(num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                       head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype])
 
 
 def kv_pool_bytes(*, sampler_cfg, kv_per_token: int) -> int:
@@ -45,12 +49,6 @@ def kv_pool_bytes(*, sampler_cfg, kv_per_token: int) -> int:
   if sampler_cfg.num_pages:
     return int(sampler_cfg.num_pages) * int(sampler_cfg.page_size) * kv_per_token
   return int(sampler_cfg.kv_cache_bytes)
-
-
-def pick_bucket(length: int, buckets) -> int:
-  """The smallest bucket >= length (the trainer pads every row to it)."""
-  fits = [b for b in sorted(buckets) if b >= length]
-  return fits[0] if fits else max(buckets)
 
 
 def activation_bytes(*, model_cfg, rows: int, seq_len: int, dtype: str, remat: bool) -> int:

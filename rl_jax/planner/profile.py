@@ -8,7 +8,7 @@ queue) are left out: the window is every row after the first `skip` = max(1, 10%
 Fits (row i of the window, dt_i = time_s_i - time_s_{i-1}, busy_i = the busy seconds
 of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{i-1}):
 
-  sampler   with sampler/generate_calls (cumulative, generator.metrics()): decode steps
+  sampler   with sampler/generate_calls (cumulative, as loop.py logs it): decode steps
             k_i = its increase * sampler.steps_per_call, step_i = busy_i / k_i,
             active_i = tokens_i / k_i (tokens_i = sampler/tokens_per_s * dt_i),
             then non-negative least squares of step_i on [1, active_i / R,
@@ -17,8 +17,9 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             Without decode steps the active count is unknown, so a constant step time is
             calibrated instead: simulate the pilot and rescale until the simulated sampler
             busy time matches the observed one.
-  trainer   train_i = trainer busy_i - weight-sync seconds in the interval (or
-            trainer/step_time_s * steps); non-negative least squares of train_i on
+  trainer   train_i = trainer/step_time_s * steps, or trainer busy_i - weight-sync seconds
+            of the interval's publications (StalenessPolicy.publishes); non-negative
+            least squares of train_i on
             [steps_i, padded_tokens_i] gives fixed_s and 1 / rate; padded tokens are
             trainer/padded_tokens when logged, else rows x bucket(prompt + lengths/p99).
             The rate is divided by D_eff of the pilot's trainer devices. Rows at a batch
@@ -277,8 +278,10 @@ def fit_verifier(pilot: Pilot, notes: list[str]) -> Latency:
 def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
                 scaling_efficiency: float, notes: list[str]) -> TrainerModel:
   """Optimizer-step time model (module docstring)."""
-  from rl_jax.planner.memory import pick_bucket
+  from rl_jax.orchestration.policy import StalenessPolicy
+  from rl_jax.trainer.buckets import pick_bucket
   cfg = pilot.cfg
+  policy = StalenessPolicy.from_config(cfg.rl)
   base, win = window(pilot.rows)
   batch = cfg.rl.groups_per_step * cfg.rl.group_size
   # A row whose per-step padded tokens (the batch shape) were never seen before holds
@@ -297,7 +300,7 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
       train = row["trainer/step_time_s"] * steps
     else:
       busy = _busy_s(row, "trainer/busy_frac") - _busy_s(prev, "trainer/busy_frac")
-      syncs = steps / cfg.rl.weight_sync_every
+      syncs = sum(policy.publishes(k) for k in range(prev["step"] + 1, row["step"] + 1))
       train = busy - syncs * row.get("weight_sync/duration_s", 0.0)
     if "trainer/padded_tokens" in row:
       tokens = row["trainer/padded_tokens"]
@@ -393,7 +396,8 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
     notes.append(f"prompt length: not logged; using data.max_prompt_length = {prompt}")
   prompt = int(round(prompt))
   replicas = int(cfg.mesh.sampler.get("data", 1))
-  trainer_devices = math.prod(int(v) for v in dict(cfg.mesh.trainer).values())
+  from rl_jax import sharding
+  trainer_devices = sharding.mesh_devices(cfg.mesh)[1]
   lengths = fit_lengths(pilot, notes)
   verifier = fit_verifier(pilot, notes)
   trainer = fit_trainer(pilot, prompt_tokens=prompt, trainer_devices=trainer_devices,

@@ -4,13 +4,12 @@ Events live on a heapq ordered by time; all draws come from one seeded numpy Gen
 so a Scenario always gives the same Prediction. What is simulated, as loop.py does it:
 
   admission   the sampler admits a group (G sequences) at a generate-call boundary while
-              its slots have room (active + pending < slots) and the queue allows it:
-              in-flight + queued + 1 <= queue_maxsize and in-flight + queued + held + 1
-              <= max_inflight_groups, where held counts the groups the trainer has
-              dequeued and not yet released: accepted groups stay held until their step is
-              trained and (async) its version published, as RolloutQueue.held in loop.py.
-              sync: only groups_per_step groups per policy version, and only once the
-              sampler holds the trainer's current version (the barrier).
+              its slots have room (active + pending < slots) and the StalenessPolicy
+              (rl_jax/orchestration/policy.py, the object the run loop asks) allows it:
+              can_admit over in-flight, queued and held groups (held: dequeued by the
+              trainer, not yet released, as RolloutQueue.held) and, in sync mode,
+              barrier_allows (groups_per_step groups per optimizer step, only once the
+              sampler holds the trainer's current version).
   sampling    continuous batching: sequences start when a slot frees, each decode step
               emits one token per active sequence and takes SamplerModel.step_s(n, ctx);
               the host sees the engine only between generate calls of steps_per_call
@@ -28,12 +27,13 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               An idle sampler swaps at once.
   verifying   a finished rollout joins the verifier pool (workers servers, FIFO); a group
               enters the queue when all G rollouts are verified.
-  training    the trainer takes groups in queue order, discards those with staleness =
-              trainer_version - min version > bound (bound 0 in sync), trains on
-              groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then
-              every weight_sync_every steps bumps the version and publishes for
-              weight_sync_s (trainer busy throughout). The first step at each padded
-              batch shape also pays TrainerModel.compile_s (XLA compiles per shape).
+  training    the trainer takes groups in queue order, discards those the policy does not
+              accept (staleness = trainer_version - min version > bound), trains on
+              groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then,
+              when the policy publishes after that step, bumps the version and publishes
+              for weight_sync_s (trainer busy throughout); held groups are released when
+              the policy releases credit. The first step at each padded batch shape also
+              pays TrainerModel.compile_s (XLA compiles per shape).
   colocated   one device set: a full batch starts training at the sampler's next step
               boundary, and the sampler stays paused while the trainer trains and publishes.
 
@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import math
 
 import numpy as np
 
-from rl_jax.planner.memory import pick_bucket
+from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, VerifierModel
+from rl_jax.planner.queueing import EventQueue, ServerPool
+from rl_jax.trainer.buckets import pick_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,13 @@ class Scenario:
   steps_per_call: int = 1
   seed: int = 0
 
+  @property
+  def policy(self) -> StalenessPolicy:
+    return StalenessPolicy.make(
+        mode=self.mode, groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
+        max_inflight_groups=self.max_inflight_groups, queue_maxsize=self.queue_maxsize,
+        weight_sync_every=self.weight_sync_every)
+
 
 @dataclasses.dataclass
 class Prediction:
@@ -110,63 +118,6 @@ class Prediction:
   trainer_padded_tokens_per_s: float  # rows x length bucket, what the train step computes
   weight_sync_frac: float  # share of wall time the trainer spent publishing
   rows: list[dict]
-
-
-class EventQueue:
-  """Time-ordered events; ties keep insertion order."""
-
-  def __init__(self):
-    self._heap: list = []
-    self._n = 0
-
-  def push(self, time: float, kind: str, payload=None) -> None:
-    heapq.heappush(self._heap, (time, self._n, kind, payload))
-    self._n += 1
-
-  def pop(self):
-    time, _, kind, payload = heapq.heappop(self._heap)
-    return time, kind, payload
-
-  def __bool__(self) -> bool:
-    return bool(self._heap)
-
-
-class ServerPool:
-  """`servers` identical servers with one FIFO waiting line (the verifier pool).
-
-  arrive() returns the finish time when the item starts at once, else None (it waits);
-  depart() frees a server and returns (finish time, item) of the next waiter, if any.
-  """
-
-  def __init__(self, servers: int):
-    self.free = servers
-    self.line: collections.deque = collections.deque()
-    self.wait_total_s = 0.0
-    self.service_total_s = 0.0
-    self.started = 0
-
-  def arrive(self, now: float, item, service_s: float) -> float | None:
-    if self.free:
-      self.free -= 1
-      self.started += 1
-      self.service_total_s += service_s
-      return now + service_s
-    self.line.append((now, item, service_s))
-    return None
-
-  def depart(self, now: float):
-    if self.line:
-      arrived, item, service_s = self.line.popleft()
-      self.wait_total_s += now - arrived
-      self.started += 1
-      self.service_total_s += service_s
-      return now + service_s, item
-    self.free += 1
-    return None
-
-  @property
-  def mean_wait_s(self) -> float:
-    return self.wait_total_s / max(self.started, 1)
 
 
 @dataclasses.dataclass
@@ -220,10 +171,7 @@ class _Sim:
     self.sc = sc
     self.rng = np.random.default_rng(sc.seed)
     self.events = EventQueue()
-    self.sync = sc.mode == "sync"
-    self.bound = 0 if self.sync else sc.max_staleness
-    # loop.py: sync mode caps in-flight work at exactly one batch of groups.
-    self.max_inflight = sc.groups_per_step if self.sync else sc.max_inflight_groups
+    self.policy = sc.policy
     self.pool = ServerPool(sc.verifier.workers)
     # Sampler state: parallel arrays over active sequences, then the pending line.
     self.rem = np.zeros(0, np.int64)
@@ -236,7 +184,7 @@ class _Sim:
     self.step_waiting = False  # colocated: a full batch waits for the current decode step
     self.sampler_version = 0
     self.pending_version: int | None = None
-    self.admitted_for_version: collections.Counter = collections.Counter()
+    self.admitted = 0  # groups admitted so far
     self.groups: dict[int, _Group] = {}
     self.next_gid = 0
     self.inflight = 0
@@ -255,15 +203,10 @@ class _Sim:
     self.train_s = 0.0
     self.done = False
     # Accounting.
-    self.sampler_busy_s = 0.0
-    self.trainer_busy_s = 0.0
-    self.sync_busy_s = 0.0
-    self.sampler_tokens = 0
-    self.trainer_tokens = 0
-    self.generated = 0
-    self.trained = 0
-    self.discarded_groups = 0
-    self.accepted_groups = 0
+    self.sampler_busy_s = self.trainer_busy_s = self.sync_busy_s = 0.0
+    self.sampler_tokens = self.trainer_tokens = 0
+    self.generated = self.trained = 0  # rollouts
+    self.discarded_groups = self.accepted_groups = 0
     self.age_total_s = 0.0
     self.hist: collections.Counter = collections.Counter()
     self.q_area = 0.0
@@ -292,27 +235,29 @@ class _Sim:
     sc = self.sc
     if len(self.rem) + len(self.pending) >= sc.decode_slots:
       return False
-    outstanding = self.inflight + len(self.queue) + 1
-    if outstanding + self.trainer_held > self.max_inflight or outstanding > sc.queue_maxsize:
+    if not self.policy.can_admit(inflight=self.inflight, queued=len(self.queue),
+                                 held=self.trainer_held):
       return False
     if self.pending_version is not None and not sc.inflight_weight_updates:
       return False  # draining for a weight swap
-    if self.sync:
-      v = self.sampler_version
-      return v == self.version and self.admitted_for_version[v] < sc.groups_per_step
-    return True
+    return self.policy.barrier_allows(admitted=self.admitted, steps_done=self.step,
+                                      sampler_version=self.sampler_version,
+                                      trainer_version=self.version)
 
   def _admit(self, now: float) -> None:
-    sc = self.sc
     while self._can_admit():
-      if self.sync:
-        self.admitted_for_version[self.sampler_version] += 1
-      gid = self.next_gid
-      self.next_gid += 1
-      lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
-      self.groups[gid] = _Group(admitted=now, lengths=lengths)
-      self.inflight += 1
-      self.pending.extend((gid, int(n)) for n in lengths)
+      self._admit_one(now)
+
+  def _admit_one(self, now: float) -> int:
+    sc = self.sc
+    self.admitted += 1
+    gid = self.next_gid
+    self.next_gid += 1
+    lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
+    self.groups[gid] = _Group(admitted=now, lengths=lengths)
+    self.inflight += 1
+    self.pending.extend((gid, int(n)) for n in lengths)
+    return gid
 
   def _boundary(self, now: float, steps: int) -> None:
     """The sampler reached a call boundary after `steps` decode steps of its segment."""
@@ -422,19 +367,8 @@ class _Sim:
     took = False
     self._note_change(now)
     while self.queue and len(self.batch) < sc.groups_per_step:
-      gid = self.queue.popleft()
+      self._take(now)
       took = True
-      group = self.groups.pop(gid)
-      staleness = self.version - int(group.min_version)
-      if staleness > self.bound:
-        self.discarded_groups += 1
-        continue
-      self.accepted_groups += 1
-      self.trainer_held += 1
-      self.hist[staleness] += 1
-      self.age_total_s += now - group.admitted
-      self.batch.append(group)
-      self.batch_staleness.append(staleness)
     if len(self.batch) == sc.groups_per_step:
       self.trainer_busy = True  # the batch is full: no more pulls until the step ends
       self.held = sc.colocated
@@ -446,6 +380,21 @@ class _Sim:
         self._start_step(now)
     elif took:
       self._poke(now)
+
+  def _take(self, now: float) -> bool:
+    """Dequeues the oldest group into the batch, or discards it as the policy says."""
+    group = self.groups.pop(self.queue.popleft())
+    staleness = self.version - int(group.min_version)
+    if not self.policy.accepts(staleness):
+      self.discarded_groups += 1
+      return False
+    self.accepted_groups += 1
+    self.trainer_held += 1
+    self.hist[staleness] += 1
+    self.age_total_s += now - group.admitted
+    self.batch.append(group)
+    self.batch_staleness.append(staleness)
+    return True
 
   def _start_step(self, now: float) -> None:
     sc = self.sc
@@ -464,7 +413,7 @@ class _Sim:
   def _trained(self, now: float) -> None:
     sc = self.sc
     self.step += 1
-    if self.step % sc.weight_sync_every == 0:
+    if self.policy.publishes(self.step):
       self.version += 1
       self.events.push(now + sc.weight_sync_s, "published", now)
     else:
@@ -475,10 +424,10 @@ class _Sim:
     self.trainer_busy_s += now - self.train_start
     self.train_s = now - self.train_start - published_s
     self.sync_busy_s += published_s
-    if self.step % self.sc.weight_sync_every == 0:
+    if self.policy.publishes(self.step):
       self.pending_version = self.version
-    if self.sync or self.step % self.sc.weight_sync_every == 0:
-      self.trainer_held = 0  # loop.py releases them to admission here
+    if self.policy.releases(self.step):
+      self.trainer_held = 0
     self._write_row(now, published_s)
     self.batch, self.batch_staleness = [], []
     if self.step >= self.sc.num_steps:
@@ -532,7 +481,7 @@ class _Sim:
       if not self.events:
         raise ValueError(
             f"the simulated pipeline stalled at step {self.step}: no work can be admitted "
-            f"(max_inflight_groups {self.max_inflight}, queue_maxsize {sc.queue_maxsize}, "
+            f"(max_inflight_groups {self.policy.max_inflight}, queue_maxsize {sc.queue_maxsize}, "
             f"groups_per_step {sc.groups_per_step})")
       now, kind, payload = self.events.pop()
       if kind == "sampler":

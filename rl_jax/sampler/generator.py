@@ -143,20 +143,6 @@ class Generator:
     waiting = sum(len(g.waiting) for g in self._groups)
     return self._slots.count(None) > waiting
 
-  def metrics(self) -> dict[str, float]:
-    return {
-        "sampler/tokens_generated": float(self.tokens_generated),
-        "sampler/rollouts_finished": float(self.rollouts_finished),
-        "sampler/active_slots": float(self.num_active),
-        "sampler/pending_groups": float(self.num_pending),
-        "sampler/kv_pages_used": float(self.kv_pages_used),
-        "sampler/kv_pages_total": float(self.allocator.capacity),
-        "sampler/preemptions": float(self.preemptions),
-        "sampler/generate_calls": float(self.generate_calls),
-        "sampler/busy_s": self.busy_s,
-        "sampler/policy_version": float(self._version),
-    }
-
   def update_params(self, params: Any, version: int) -> None:
     """Publish new weights; safe from any thread. Swapped in by the next step()."""
     params = self.engine.load_params(params)

@@ -26,10 +26,17 @@ def pages_for(num_tokens: int, page_size: int) -> int:
   return -(-int(num_tokens) // int(page_size))
 
 
+def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype_bytes: int) -> int:
+  """KV cache bytes one token holds: 2 (K and V) * layers * kv_heads * head_dim * bytes."""
+  return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
 def page_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                dtype_bytes: int) -> int:
   """Bytes of one page id across the K and V pools of every layer."""
-  return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype_bytes
+  return page_size * kv_bytes_per_token(num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim, dtype_bytes=dtype_bytes)
 
 
 def num_pages_for_budget(*, kv_cache_bytes: int, num_layers: int, num_kv_heads: int,

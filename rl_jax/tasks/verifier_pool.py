@@ -173,6 +173,12 @@ class VerifierPool:
     self._threads = [t for t in self._threads if t.is_alive()] + [thread]
     thread.start()
 
+  def continue_from(self, calls: int) -> None:
+    """The next call gets index `calls`: each call's injected latency and failure are drawn
+    from (seed, call index), so a resumed run continues an interrupted one's draws."""
+    with self._lock:
+      self._submitted = int(calls)
+
   def submit(self, key: Any, example: Example, completion_text: str,
              callback: Callable[[Any, VerifyResult], None] | None = None) -> None:
     """Queues one call and returns at once; raises RuntimeError after close()."""

@@ -48,6 +48,7 @@ from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
+from rl_jax.trainer.buckets import pick_bucket
 from rl_jax.types import Group
 
 GRPO_KEYS = ("tokens_bt", "mask_bt", "behavior_logprobs_bt", "advantages_b")
@@ -73,16 +74,6 @@ class TrainBatch:
   @property
   def num_tokens(self) -> int:
     return int(self.mask_bt.sum())
-
-
-def pick_bucket(length: int, length_buckets: Sequence[int]) -> int:
-  """The smallest bucket >= length."""
-  fits = [b for b in sorted(length_buckets) if b >= length]
-  if not fits:
-    raise ValueError(
-        f"a sequence of {length} tokens exceeds the largest trainer.length_buckets entry "
-        f"({max(length_buckets)})")
-  return fits[0]
 
 
 def _round_up(x: int, m: int) -> int:

@@ -1,0 +1,92 @@
+"""The staleness policy: admission, acceptance, publication and admission credit.
+
+One object decides for the run loop (rl_jax.orchestration.sampler_worker and loop), the
+rollout queue and the planner's simulation (rl_jax.planner.simulate), so a change here
+changes the run and its prediction alike. It imports nothing but the standard library.
+
+  staleness s of a group   trainer_version - min over its tokens' versions (the max over
+                           its rollouts), counted in published versions
+  accepts(s)               s <= bound; bound = rl.max_staleness (async), 0 (sync)
+  can_admit                in-flight + queued + held + n <= max_inflight and
+                           in-flight + queued + n <= queue_maxsize, where held counts the
+                           groups the trainer dequeued and has not yet released;
+                           max_inflight = rl.max_inflight_groups when >= 0, else
+                           (max_staleness + 1) * groups_per_step; sync: groups_per_step
+  barrier_allows           sync only: groups_per_step groups per optimizer step, admitted
+                           once the previous step is done and the sampler runs the
+                           trainer's version; async: always
+  publishes(step)          the trainer publishes weights after optimizer step `step` iff
+                           step % weight_sync_every == 0
+  releases(step)           trained groups return their admission credit after step `step`:
+                           every step in sync (each batch trains at the version that made
+                           it), at publication in async (released at dequeue instead, the
+                           sampler would refill the batch being trained with groups consumed
+                           one version too late)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def admission_bound(*, max_staleness: int, groups_per_step: int,
+                    max_inflight_groups: int) -> int:
+  """Async max_inflight: rl.max_inflight_groups when >= 0, else the largest number of
+  groups that can all still be consumed within the staleness bound,
+  (max_staleness + 1) * groups_per_step."""
+  if max_inflight_groups >= 0:
+    return int(max_inflight_groups)
+  return (max_staleness + 1) * groups_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessPolicy:
+  sync: bool
+  groups_per_step: int
+  max_staleness: int
+  max_inflight: int
+  queue_maxsize: int
+  weight_sync_every: int
+
+  @classmethod
+  def from_config(cls, rl) -> StalenessPolicy:
+    """From the `rl` config section (or anything with its field names)."""
+    return cls.make(mode=rl.mode, groups_per_step=rl.groups_per_step,
+                    max_staleness=rl.max_staleness, max_inflight_groups=rl.max_inflight_groups,
+                    queue_maxsize=rl.queue_maxsize, weight_sync_every=rl.weight_sync_every)
+
+  @classmethod
+  def make(cls, *, mode: str, groups_per_step: int, max_staleness: int,
+           max_inflight_groups: int, queue_maxsize: int, weight_sync_every: int):
+    """max_inflight_groups -1 means auto, (max_staleness + 1) * groups_per_step."""
+    sync = mode == "sync"
+    inflight = groups_per_step if sync else admission_bound(
+        max_staleness=max_staleness, groups_per_step=groups_per_step,
+        max_inflight_groups=max_inflight_groups)
+    return cls(sync=sync, groups_per_step=int(groups_per_step),
+               max_staleness=int(max_staleness), max_inflight=int(inflight),
+               queue_maxsize=int(queue_maxsize), weight_sync_every=int(weight_sync_every))
+
+  @property
+  def bound(self) -> int:
+    return 0 if self.sync else self.max_staleness
+
+  def accepts(self, staleness: int) -> bool:
+    return staleness <= self.bound
+
+  def can_admit(self, *, inflight: int, queued: int, held: int, n: int = 1) -> bool:
+    outstanding = inflight + queued + n
+    return outstanding + held <= self.max_inflight and outstanding <= self.queue_maxsize
+
+  def barrier_allows(self, *, admitted: int, steps_done: int, sampler_version: int,
+                     trainer_version: int) -> bool:
+    """Whether the sync barrier lets group number `admitted` (0-based) in."""
+    if not self.sync:
+      return True
+    return (admitted < (steps_done + 1) * self.groups_per_step
+            and sampler_version == trainer_version)
+
+  def publishes(self, step: int) -> bool:
+    return step % self.weight_sync_every == 0
+
+  def releases(self, step: int) -> bool:
+    return self.sync or self.publishes(step)

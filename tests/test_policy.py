@@ -1,0 +1,142 @@
+"""StalenessPolicy (rl_jax/orchestration/policy.py): the rules themselves, and the run
+loop's pieces and the planner's simulation taking the same decisions on one event
+sequence."""
+import collections
+import os
+
+import numpy as np
+import pytest
+
+from rl_jax import config as config_lib
+from rl_jax.orchestration.policy import StalenessPolicy
+from rl_jax.orchestration.rollout_queue import RolloutQueue
+from rl_jax.planner.simulate import Scenario, _Sim
+from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, VerifierModel
+from rl_jax.tasks.latency import Latency
+from rl_jax.types import Group, Rollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rl(**kw):
+  base = dict(mode="async", groups_per_step=4, max_staleness=1, max_inflight_groups=-1,
+              queue_maxsize=6, weight_sync_every=1)
+  base.update(kw)
+  return base
+
+
+def test_rules():
+  p = StalenessPolicy.make(**_rl())
+  assert p.max_inflight == 8 and p.bound == 1
+  assert p.accepts(1) and not p.accepts(2)
+  assert p.can_admit(inflight=3, queued=2, held=2) and not p.can_admit(inflight=3, queued=2, held=3)
+  assert not p.can_admit(inflight=3, queued=3, held=0)  # queue_maxsize
+  assert p.publishes(3) and p.releases(3)
+  s = StalenessPolicy.make(**_rl(mode="sync", weight_sync_every=2))
+  assert s.max_inflight == 4 and s.bound == 0
+  assert s.releases(1) and not s.publishes(1)
+  assert s.barrier_allows(admitted=7, steps_done=1, sampler_version=0, trainer_version=0)
+  assert not s.barrier_allows(admitted=8, steps_done=1, sampler_version=0, trainer_version=0)
+  assert not s.barrier_allows(admitted=0, steps_done=0, sampler_version=0, trainer_version=1)
+  assert StalenessPolicy.make(**_rl(max_inflight_groups=5)).max_inflight == 5
+
+
+def test_from_config_matches_the_planner_scenario():
+  from rl_jax.planner import capacity
+  from rl_jax.planner.models import DEVICES
+  for extra in ([], ["--config.rl.mode=sync"], ["--config.rl.max_inflight_groups=24"],
+                ["--config.rl.weight_sync_every=2", "--config.rl.max_staleness=3"]):
+    cfg, _ = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"), *extra])
+    model_cfg, params = capacity.model_shape(cfg)
+    sc = capacity.scenario(cfg, layout=capacity.pilot_layout(cfg), profile=None,
+                           model_cfg=model_cfg, params=params, device=DEVICES["h200"],
+                           num_steps=3)
+    assert sc.policy == StalenessPolicy.from_config(cfg.rl), extra
+
+
+def _scenario(rl: dict, num_steps: int = 0) -> Scenario:
+  return Scenario(
+      **rl, group_size=1, inflight_weight_updates=True, num_steps=num_steps, prompt_tokens=4,
+      length_buckets=(64,), batch_multiple=1,
+      lengths=LengthModel(kind="lognormal", max_tokens=8, median=4, sigma=0.1),
+      verifier=VerifierModel(latency=Latency(kind="none"), workers=1),
+      sampler=SamplerModel(base_s=0.01, per_seq_s=0.0, per_ctx_token_s=0.0),
+      sampler_replicas=1, decode_slots=10**9,
+      trainer=TrainerModel(fixed_s=0.1, tokens_per_s_per_device=1e5), trainer_devices=1,
+      weight_sync_s=0.0)
+
+
+def _group(gid: int, version: int) -> Group:
+  r = Rollout(group_id=gid, sample_index=0, prompt_tokens=np.zeros(1, np.int32),
+              completion_tokens=np.zeros(2, np.int32), behavior_logprobs=np.zeros(2, np.float32),
+              token_versions=np.full(2, version, np.int32))
+  return Group(group_id=gid, example=None, prompt_tokens=r.prompt_tokens, rollouts=[r])
+
+
+@pytest.mark.parametrize("rl", [_rl(), _rl(max_staleness=0), _rl(weight_sync_every=2),
+                                _rl(mode="sync"), _rl(mode="sync", weight_sync_every=2),
+                                _rl(max_inflight_groups=5, queue_maxsize=3)])
+def test_planner_and_loop_take_the_same_decisions(rl):
+  """One random sequence of admissions, verified groups, dequeues, train steps and
+  sampler swaps, applied to the loop's pieces (RolloutQueue plus the loop's barrier and
+  credit bookkeeping) and to the planner's simulation state: every admission, acceptance,
+  publication and credit release comes out the same."""
+  policy = StalenessPolicy.make(**rl)
+  sim = _Sim(_scenario(rl))  # pylint: disable=protected-access
+  assert sim.policy == policy
+  queue = RolloutQueue(policy)
+  loop = dict(admitted=0, steps=0, version=0, sampler_version=0, credit=0)
+  verifying: collections.deque = collections.deque()
+  batch: list[Group] = []
+  rng = np.random.default_rng(0)
+  decisions = collections.Counter()
+  for i in range(3000):
+    now = float(i + 1)
+    loop_admits = queue.can_admit() and policy.barrier_allows(
+        admitted=loop["admitted"], steps_done=loop["steps"],
+        sampler_version=loop["sampler_version"], trainer_version=loop["version"])
+    assert loop_admits == sim._can_admit()
+    kind = rng.integers(5)
+    if kind == 0 and loop_admits:
+      decisions["admit"] += 1
+      queue.admitted()
+      loop["admitted"] += 1
+      gid = sim._admit_one(now)
+      sim.groups[gid].min_version = sim.sampler_version
+      verifying.append((gid, loop["sampler_version"]))
+    elif kind == 1 and verifying:
+      gid, version = verifying.popleft()
+      queue.put(_group(gid, version))
+      sim.trainer_busy = True  # the test, not the simulation, decides when to dequeue
+      sim._verified(now, (gid, now))
+    elif kind == 2 and queue.snapshot()["depth"] and len(batch) < rl["groups_per_step"]:
+      group = queue.get(timeout=0)
+      loop_accepts = policy.accepts(group.staleness(loop["version"]))
+      if loop_accepts:
+        batch.append(group)
+      else:
+        queue.release()
+      assert sim._take(now) == loop_accepts
+      decisions["accept" if loop_accepts else "discard"] += 1
+    elif kind == 3 and len(batch) == rl["groups_per_step"]:
+      loop["steps"] += 1
+      publish = policy.publishes(loop["steps"])
+      loop["version"] += publish
+      loop["credit"] += len(batch)
+      if policy.releases(loop["steps"]):
+        queue.release(loop["credit"])
+        loop["credit"] = 0
+        decisions["release"] += 1
+      batch = []
+      sim._trained(now)
+      if publish:
+        sim._step_done(now, published_s=0.0)
+      assert (sim.step, sim.version, sim.trainer_held) == (
+          loop["steps"], loop["version"], queue.snapshot()["held"])
+    elif kind == 4 and loop["sampler_version"] != loop["version"]:
+      loop["sampler_version"] = loop["version"]  # the sampler swaps in the staged weights
+      sim.sampler_version, sim.pending_version = sim.pending_version, None
+    assert (sim.inflight, len(sim.queue)) == (queue.inflight, queue.snapshot()["depth"])
+  assert min(decisions["admit"], decisions["accept"], decisions["release"]) > 10, decisions
+  if rl["mode"] == "async" and rl["max_staleness"] == 0:
+    assert decisions["discard"] > 0, decisions
