@@ -50,8 +50,8 @@ def test_async_run_on_a_hugging_face_checkpoint(files, tmp_path):
   config_lib.validate(cfg)
   pipe = loop.Pipeline(cfg, str(tmp_path))
   rollouts = []
-  original = pipe._on_rollout_finished
-  pipe._on_rollout_finished = lambda r: (rollouts.append(r), original(r))
+  original = pipe.worker.on_rollout_finished
+  pipe.worker.on_rollout_finished = lambda r: (rollouts.append(r), original(r))
   summary = pipe.run()
   assert summary["mode"] == "async" and summary["optimizer_steps"] == 3
   assert summary["policy_version"] == 3 and summary["rollouts_trained"] == 3 * 4 * 4
@@ -71,7 +71,7 @@ def test_async_run_on_a_hugging_face_checkpoint(files, tmp_path):
              for e in pipe.task.train_examples())
   held = pipe.task.heldout_examples()
   assert [e.uid for e in held] == [f"gsm8k:test.jsonl:{i}" for i in range(1, 5)]
-  assert [list(p) for p in pipe.heldout_prompts] == [
+  assert [list(p) for p in pipe.heldout.prompts] == [
       _chat_ids(ref, system, e.prompt) for e in held]
 
 
