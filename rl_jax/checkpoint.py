@@ -42,11 +42,11 @@ from rl_jax import config as config_lib
 ARRAY_ITEMS = ("params", "opt_state", "ref_params")
 # Config fields a resumed run must share with its checkpoint: they define the model's
 # shapes, the prompt stream the saved iterator state indexes into, and the sampling seeds.
-# task.heldout_size only changes the evaluation set and remat only what the backward pass
-# recomputes, so they may differ.
+# task.heldout_size only changes the evaluation set, remat only what the backward pass
+# recomputes and attention only which kernel computes the same function, so they may differ.
 _MUST_MATCH = ("seed", "model.", "task.", "data.")
-_MAY_DIFFER = ("task.heldout_size", "model.remat")
-_MODEL_MAY_DIFFER = ("remat",)
+_MAY_DIFFER = ("task.heldout_size", "model.remat", "model.attention")
+_MODEL_MAY_DIFFER = ("remat", "attention")
 
 
 class RestoreError(RuntimeError):
@@ -77,7 +77,7 @@ def model_config(cfg):
   else:
     mc = model_lib.get_preset(cfg.model.preset)
   return mc.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                    remat=cfg.model.remat)
+                    remat=cfg.model.remat, attention=cfg.model.attention)
 
 
 def model_config_from_dict(fields: dict):

@@ -79,6 +79,10 @@ def check_fields(cfg, base, prefix: str = "") -> None:
       allowed = ", ".join(sorted(base.keys()))
       raise ConfigError(f"unknown config field {name!r}; fields here are: {allowed}")
     v, b = cfg[key], base[key]
+    if name == "model.remat" and (isinstance(v, bool) or str(v).lower() in ("true", "false")):
+      # Configs written when remat was a boolean keep working.
+      with cfg.ignore_type():
+        cfg[key] = v = "full" if str(v).lower() == "true" else "none"
     if isinstance(b, ml_collections.ConfigDict):
       if not isinstance(v, ml_collections.ConfigDict):
         raise ConfigError(f"config field {name!r} must be a group of fields, got {v!r}")
@@ -221,6 +225,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "rl.mode", ("sync", "async"))
   _choice(cfg, "model.dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
+  _choice(cfg, "model.remat", ("none", "full", "dots"))
+  _choice(cfg, "model.attention", ("auto", "jnp", "xla", "cudnn", "splash"))
   _choice(cfg, "sampler.dtype", ("float32", "bfloat16"))
   _choice(cfg, "trainer.loss_agg", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
   _choice(cfg, "trainer.schedule", ("constant", "cosine"))
@@ -264,6 +270,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _require(t.kl_beta >= 0, f"config field 'trainer.kl_beta' must be >= 0; got {t.kl_beta}")
   _require(t.num_minibatches >= 1, f"config field 'trainer.num_minibatches' must be >= 1; got {t.num_minibatches}")
   _require(t.micro_batch_size >= 0, f"config field 'trainer.micro_batch_size' must be >= 0; got {t.micro_batch_size}")
+  _require(t.logprob_chunk_len >= 0, f"config field 'trainer.logprob_chunk_len' must be >= 0 (0 = whole sequence); got {t.logprob_chunk_len}")
   _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets),
            f"config field 'trainer.length_buckets' must be a non-empty increasing tuple; got {t.length_buckets}")
   need_len = cfg.data.max_prompt_length + s.max_new_tokens

@@ -147,11 +147,11 @@ class Pipeline:
     if cfg.model.path:
       model_cfg, init_params = model_lib.from_pretrained(cfg.model.path)
       model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-          remat=cfg.model.remat)
+          remat=cfg.model.remat, attention=cfg.model.attention)
     else:
       model_cfg = model_lib.get_preset(cfg.model.preset).replace(
           dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-          remat=cfg.model.remat)
+          remat=cfg.model.remat, attention=cfg.model.attention)
       init_params = None
     self.model_cfg = model_cfg
     self.tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
@@ -626,7 +626,8 @@ class Pipeline:
         with self._event("train", gids=[g.group_id for g in groups],
                          rewards=[[r.reward for r in g.rollouts] for g in groups],
                          discarded=discarded, publish=publish):
-          self.state, result = self.trainer.dispatch_step(self.state, batch)
+          self.state, result = self.trainer.dispatch_step(self.state, batch,
+                                                          policy_version=self.version)
           if publish:
             self.version += 1
             published = self._start_publish(self.state.params, self.version)
@@ -766,7 +767,7 @@ class Pipeline:
       groups.append(group)
     batch = self.trainer.make_train_batch(groups)
     self._consistent = False
-    self.state, _ = self.trainer.dispatch_step(self.state, batch)
+    self.state, _ = self.trainer.dispatch_step(self.state, batch, policy_version=self.version)
     if p["publish"]:
       self.version += 1
       self._start_publish(self.state.params, self.version)  # taken at a sample event
@@ -1106,7 +1107,8 @@ class Pipeline:
     row["trainer/padded_tokens"] = padded
     policy_keys = ("kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_p1", "ratio_p50",
                    "ratio_p99", "tis_weight_mean", "tis_truncated_frac",
-                   "behavior_prox_logp_gap")
+                   "behavior_prox_logp_gap", "logprob_mismatch_mean", "logprob_mismatch_max",
+                   "logprob_mismatch_tokens")
     for k, v in tm.items():
       row[("policy/" if k in policy_keys else "optim/") + k] = v
     return row
