@@ -17,8 +17,9 @@ def get_config(arg=None):
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   c.model.param_dtype = "float32"  # trainer master params
   # Layer rematerialisation: none | full (recompute each layer in the backward pass) |
-  # dots (keep weight-matmul outputs, recompute the rest). Old booleans: True = full.
-  c.model.remat = "none"
+  # dots (keep weight-matmul outputs, recompute the rest). Typed `object` so configs
+  # written when this was a boolean still load: True means full, False none.
+  c.model.remat = ml_collections.FieldReference("none", field_type=object)
   # Full-sequence attention kernel (training, prefill): auto | jnp | xla | cudnn | splash.
   # auto: cuDNN flash attention on GPU in bf16, Pallas splash on TPU, XLA on CPU.
   c.model.attention = "auto"
