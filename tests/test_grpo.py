@@ -212,3 +212,21 @@ def test_token_logprobs_and_entropy():
       np.testing.assert_allclose(ent[b, t], -(p * np.log(p)).sum(), rtol=1e-5)
       want = np.log(p[tokens[b, t + 1]]) if t < 4 else 0.0
       np.testing.assert_allclose(logp[b, t], want, rtol=1e-5, atol=1e-6)
+
+
+def test_logprob_mismatch_counts_only_current_version_tokens():
+  rng = np.random.default_rng(0)
+  prox = rng.normal(size=(3, 6)).astype(np.float32)
+  mu = prox + rng.normal(scale=1e-3, size=(3, 6)).astype(np.float32)
+  mask = rng.random((3, 6)) < 0.7
+  versions = np.where(mask, rng.integers(4, 6, (3, 6)), -1).astype(np.int32)
+  mu[versions == 4] += 5.0  # stale tokens: far off, and left out
+  mu[~mask] = np.nan  # padding may hold anything
+  out = grpo.logprob_mismatch(prox_logp_bt=prox, behavior_logp_bt=mu, mask_bt=mask,
+                              versions_bt=versions, policy_version=5)
+  on = mask & (versions == 5)
+  gap = np.abs(prox - mu)[on]
+  assert on.sum() > 0 and (mask & (versions == 4)).sum() > 0
+  np.testing.assert_allclose(out["mismatch_sum"], gap.sum(), rtol=1e-6)
+  np.testing.assert_allclose(out["mismatch_max"], gap.max(), rtol=1e-6)
+  assert float(out["mismatch_tokens"]) == on.sum()

@@ -26,7 +26,9 @@ Parameters (a plain dict; every layer leaf has a leading `l` axis from nn.scan):
   lm_head      (e, v)        ("embed", "vocab")   only without tie_embeddings
 
 Attention is pluggable (`forward(attn_fn=...)`) so the sampler's paged KV cache runs
-the same layer code as training.
+the same layer code as training. The default, full-sequence causal attention (training,
+prefill) uses the kernel named by `cfg.attention` (rl_jax.model.attention). `cfg.remat`
+picks the layer rematerialisation policy (none, full, dots: see presets.ModelConfig).
 """
 from __future__ import annotations
 

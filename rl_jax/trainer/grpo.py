@@ -217,3 +217,19 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
       ratio_bt=jnp.where(mask_bt, r_bt, jnp.nan),
   )
   return loss, stats
+
+
+def logprob_mismatch(*, prox_logp_bt, behavior_logp_bt, mask_bt, versions_bt,
+                     policy_version) -> dict[str, jax.Array]:
+  """Train/inference mismatch on the tokens the sampler drew with the trainer's params.
+
+  With on_bt = mask_bt & (versions_bt == policy_version) and
+  gap_bt = |logp_prox_bt - mu_bt| (trainer vs sampler log-prob of the same token under
+  the same weights, so only numerics differ: dtype, kernels, batch shapes):
+  mismatch_sum = sum over on_bt of gap_bt, mismatch_max = max over on_bt (0 if none),
+  mismatch_tokens = #on_bt.
+  """
+  on_bt = mask_bt & (versions_bt == policy_version)
+  gap_bt = jnp.where(on_bt, jnp.abs(prox_logp_bt - behavior_logp_bt), 0.0)
+  return dict(mismatch_sum=gap_bt.sum(), mismatch_max=gap_bt.max(),
+              mismatch_tokens=on_bt.sum().astype(jnp.float32))

@@ -27,6 +27,12 @@ Update. `Trainer.step` is one jitted call with donated state:
 Minibatch i takes rows i, i + n, i + 2n, ...: with rows sharded in contiguous blocks
 over (data, fsdp) this split is a local reshape, no data moves between devices.
 
+Log-probs. Every forward (loss, pi_prox, pi_ref, SFT) takes the model's final hidden
+states and runs the vocabulary projection in chunks of trainer.logprob_chunk_len
+positions under remat (rl_jax.model.head), so a [b, t, v] float32 array never exists.
+The step also reports the train/inference mismatch (`grpo.logprob_mismatch`): |pi_prox - mu|
+on the tokens the sampler drew with the very params the step starts from.
+
 Supervised warm-up (`sft_step`) uses the same accumulation with token-mean
 cross-entropy on completion tokens and its own optimizer (constant
 `sft_learning_rate`, the trainer's b1 / b2 / weight decay / clip). Its state comes
@@ -175,22 +181,6 @@ def pad_rows(batch: TrainBatch, *, multiple: int, pad_id: int) -> TrainBatch:
       behavior_logprobs_bt=pad(batch.behavior_logprobs_bt, 0.0),
       advantages_b=pad(batch.advantages_b, 0.0), versions_bt=pad(batch.versions_bt, -1),
       rewards_b=pad(batch.rewards_b, 0.0))
-
-
-def logprob_mismatch(*, prox_logp_bt, behavior_logp_bt, mask_bt, versions_bt,
-                     policy_version) -> dict[str, jax.Array]:
-  """Train/inference mismatch on the tokens the sampler drew with the trainer's params.
-
-  With on_bt = mask_bt & (versions_bt == policy_version) and
-  gap_bt = |logp_prox_bt - mu_bt| (trainer vs sampler log-prob of the same token under
-  the same weights, so only numerics differ: dtype, kernels, batch shapes):
-  mismatch_sum = sum over on_bt of gap_bt, mismatch_max = max over on_bt (0 if none),
-  mismatch_tokens = #on_bt.
-  """
-  on_bt = mask_bt & (versions_bt == policy_version)
-  gap_bt = jnp.where(on_bt, jnp.abs(prox_logp_bt - behavior_logp_bt), 0.0)
-  return dict(mismatch_sum=gap_bt.sum(), mismatch_max=gap_bt.max(),
-              mismatch_tokens=on_bt.sum().astype(jnp.float32))
 
 
 class TrainState(NamedTuple):
@@ -425,7 +415,7 @@ class Trainer:
         eps_low=float(c.eps_low), eps_high=float(c.eps_high), tis_cap=float(c.tis_cap),
         ratio_level=c.ratio_level, kl_beta=float(c.kl_beta), kl_estimator=c.kl_estimator)
     stats["entropy"] = grpo.masked_sum(x_bt=ts_.entropy_bt, mask_bt=mc["mask_bt"])
-    stats.update(logprob_mismatch(
+    stats.update(grpo.logprob_mismatch(
         prox_logp_bt=jax.lax.stop_gradient(prox_bt), behavior_logp_bt=mc["behavior_logprobs_bt"],
         mask_bt=mc["mask_bt"], versions_bt=mc["versions_bt"], policy_version=policy_version))
     return loss, stats
