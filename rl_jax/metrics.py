@@ -9,7 +9,9 @@ Names are flat and prefixed by area, following the seed's monitoring table:
   staleness/*    mean, max, hist_<k> (accepted groups by staleness k), accepted,
                  discarded, discarded_v<version> (discards by behaviour version)
   weight_sync/*  duration_s, bytes, lag_s (publish -> first sampler step on it), version
-  policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...
+  policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...,
+                 logprob_mismatch_mean/max/tokens: |trainer - sampler log-prob| on the
+                 tokens sampled with the params the step starts from (numerics only)
   optim/*        loss, pg_loss, grad_norm, update_norm, skipped_nonfinite, learning_rate
   reward/*       train (mean over the trained batch), heldout (greedy, fixed held-out set)
   cost/*         sampler_device_s, trainer_device_s, reward_gain_per_device_hour
