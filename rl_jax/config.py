@@ -270,7 +270,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _require(t.kl_beta >= 0, f"config field 'trainer.kl_beta' must be >= 0; got {t.kl_beta}")
   _require(t.num_minibatches >= 1, f"config field 'trainer.num_minibatches' must be >= 1; got {t.num_minibatches}")
   _require(t.micro_batch_size >= 0, f"config field 'trainer.micro_batch_size' must be >= 0; got {t.micro_batch_size}")
-  _require(t.logprob_chunk_len >= 0, f"config field 'trainer.logprob_chunk_len' must be >= 0 (0 = whole sequence); got {t.logprob_chunk_len}")
+  _require(t.logprob_chunk_len >= 0, f"config field 'trainer.logprob_chunk_len' must be "
+           f">= 0 (0 = whole sequence); got {t.logprob_chunk_len}")
   _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets),
            f"config field 'trainer.length_buckets' must be a non-empty increasing tuple; got {t.length_buckets}")
   need_len = cfg.data.max_prompt_length + s.max_new_tokens

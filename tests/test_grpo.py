@@ -199,21 +199,6 @@ def test_on_policy_is_neutral(ratio_level):
   np.testing.assert_allclose(float(loss), want, rtol=1e-6)
 
 
-def test_token_logprobs_and_entropy():
-  rng = np.random.default_rng(4)
-  logits = rng.normal(size=(2, 5, V)).astype(np.float32)
-  tokens = rng.integers(0, V, (2, 5))
-  logp = np.asarray(grpo.token_logprobs(logits_btv=logits, tokens_bt=tokens))
-  ent = np.asarray(grpo.token_entropy(logits_btv=logits))
-  for b in range(2):
-    for t in range(5):
-      p = np.exp(logits[b, t].astype(np.float64))
-      p /= p.sum()
-      np.testing.assert_allclose(ent[b, t], -(p * np.log(p)).sum(), rtol=1e-5)
-      want = np.log(p[tokens[b, t + 1]]) if t < 4 else 0.0
-      np.testing.assert_allclose(logp[b, t], want, rtol=1e-5, atol=1e-6)
-
-
 def test_logprob_mismatch_counts_only_current_version_tokens():
   rng = np.random.default_rng(0)
   prox = rng.normal(size=(3, 6)).astype(np.float32)

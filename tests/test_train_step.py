@@ -225,8 +225,11 @@ def test_micro_batches_equal_full_batch(params0, single_device_step):
 def _reference_loss(model_cfg, cfg, params, ref_params, batch, prox_bt):
   """The GRPO loss from the full [b, t, v] logits (model.apply + grpo), the path the
   chunked lm head replaces."""
-  logp = lambda p: grpo.token_logprobs(logits_btv=model.apply(model_cfg, p, batch.tokens_bt),
-                                       tokens_bt=batch.tokens_bt)
+  def logp(p):
+    logp_btv = jax.nn.log_softmax(model.apply(model_cfg, p, batch.tokens_bt), axis=-1)
+    next_bt = jnp.asarray(np.pad(batch.tokens_bt[:, 1:], ((0, 0), (0, 1))))
+    picked = jnp.take_along_axis(logp_btv, next_bt[..., None], axis=-1)[..., 0]
+    return picked.at[:, -1].set(0.0)
   weights = grpo.loss_weights(mask_bt=batch.mask_bt, loss_agg=cfg.loss_agg, max_len=32)
   loss, _ = grpo.grpo_loss(
       logp_bt=logp(params), prox_logp_bt=prox_bt, behavior_logp_bt=batch.behavior_logprobs_bt,

@@ -30,8 +30,8 @@ over (data, fsdp) this split is a local reshape, no data moves between devices.
 Log-probs. Every forward (loss, pi_prox, pi_ref, SFT) takes the model's final hidden
 states and runs the vocabulary projection in chunks of trainer.logprob_chunk_len
 positions under remat (rl_jax.model.head), so a [b, t, v] float32 array never exists.
-The step also reports the train/inference mismatch (`grpo.logprob_mismatch`): |pi_prox - mu|
-on the tokens the sampler drew with the very params the step starts from.
+The step also reports the train/inference mismatch (`grpo.logprob_mismatch`):
+|pi_prox - mu| on the tokens the sampler drew with the very params the step starts from.
 
 Supervised warm-up (`sft_step`) uses the same accumulation with token-mean
 cross-entropy on completion tokens and its own optimizer (constant
@@ -405,8 +405,8 @@ class Trainer:
 
   def _grpo_micro_loss(self, params, mc, policy_version):
     c = self.cfg
-    ts_ = self._token_stats(params, mc["tokens_bt"])
-    logp_bt = ts_.logp_bt
+    head_out = self._token_stats(params, mc["tokens_bt"])
+    logp_bt = head_out.logp_bt
     prox_bt = mc.get("prox_bt", logp_bt)
     loss, stats = grpo.grpo_loss(
         logp_bt=logp_bt, prox_logp_bt=prox_bt,
@@ -414,10 +414,11 @@ class Trainer:
         adv_b=mc["advantages_b"], mask_bt=mc["mask_bt"], weights_bt=mc["weights_bt"],
         eps_low=float(c.eps_low), eps_high=float(c.eps_high), tis_cap=float(c.tis_cap),
         ratio_level=c.ratio_level, kl_beta=float(c.kl_beta), kl_estimator=c.kl_estimator)
-    stats["entropy"] = grpo.masked_sum(x_bt=ts_.entropy_bt, mask_bt=mc["mask_bt"])
+    stats["entropy"] = grpo.masked_sum(x_bt=head_out.entropy_bt, mask_bt=mc["mask_bt"])
     stats.update(grpo.logprob_mismatch(
-        prox_logp_bt=jax.lax.stop_gradient(prox_bt), behavior_logp_bt=mc["behavior_logprobs_bt"],
-        mask_bt=mc["mask_bt"], versions_bt=mc["versions_bt"], policy_version=policy_version))
+        prox_logp_bt=jax.lax.stop_gradient(prox_bt),
+        behavior_logp_bt=mc["behavior_logprobs_bt"], mask_bt=mc["mask_bt"],
+        versions_bt=mc["versions_bt"], policy_version=policy_version))
     return loss, stats
 
   def _minibatch_grads(self, params, mb, policy_version):
@@ -486,9 +487,9 @@ class Trainer:
     return new_state, metrics
 
   def _sft_micro_loss(self, params, mc):
-    ts_ = self._token_stats(params, mc["tokens_bt"])
-    loss = -grpo.masked_sum(x_bt=mc["weights_bt"] * ts_.logp_bt, mask_bt=mc["mask_bt"])
-    hit_bt = ts_.hit_bt.astype(jnp.float32)
+    head_out = self._token_stats(params, mc["tokens_bt"])
+    loss = -grpo.masked_sum(x_bt=mc["weights_bt"] * head_out.logp_bt, mask_bt=mc["mask_bt"])
+    hit_bt = head_out.hit_bt.astype(jnp.float32)
     return loss, dict(correct=grpo.masked_sum(x_bt=hit_bt, mask_bt=mc["mask_bt"]),
                       tokens=grpo.masked_sum(x_bt=jnp.ones_like(hit_bt), mask_bt=mc["mask_bt"]))
 
