@@ -45,7 +45,10 @@ def head_weight(model_cfg: ModelConfig, params: dict) -> tuple[jax.Array, str]:
 def _chunk_stats(x_bce, next_bc, w, spec, dtype):
   z_bcv = jnp.einsum(spec, x_bce, w.astype(dtype), preferred_element_type=jnp.float32)
   lse_bc = jax.nn.logsumexp(z_bcv, axis=-1)
-  picked_bc = jnp.take_along_axis(z_bcv, next_bc[..., None], axis=-1)[..., 0]
+  # A compare-and-sum rather than a gather: it partitions over sharded rows and vocab
+  # without collecting the chunk's logits on one device, and fuses with the logsumexp.
+  onehot_bcv = jnp.arange(z_bcv.shape[-1], dtype=next_bc.dtype) == next_bc[..., None]
+  picked_bc = jnp.sum(jnp.where(onehot_bcv, z_bcv, 0.0), axis=-1)
   z_sg = jax.lax.stop_gradient(z_bcv)
   lse_sg = jax.lax.stop_gradient(lse_bc)
   entropy_bc = lse_sg - jnp.sum(jnp.exp(z_sg - lse_sg[..., None]) * z_sg, axis=-1)
