@@ -626,8 +626,11 @@ class Pipeline:
         with self._event("train", gids=[g.group_id for g in groups],
                          rewards=[[r.reward for r in g.rollouts] for g in groups],
                          discarded=discarded, publish=publish):
-          self.state, result = self.trainer.dispatch_step(self.state, batch,
-                                                          policy_version=self.version)
+          # The step's params are exactly version self.version's only right after a
+          # publication; otherwise no token measures the train/inference mismatch.
+          exact = step % cfg.rl.weight_sync_every == 0
+          self.state, result = self.trainer.dispatch_step(
+              self.state, batch, policy_version=self.version if exact else -1)
           if publish:
             self.version += 1
             published = self._start_publish(self.state.params, self.version)
@@ -767,7 +770,9 @@ class Pipeline:
       groups.append(group)
     batch = self.trainer.make_train_batch(groups)
     self._consistent = False
-    self.state, _ = self.trainer.dispatch_step(self.state, batch, policy_version=self.version)
+    exact = step % self.cfg.rl.weight_sync_every == 0  # as in the leader's loop
+    self.state, _ = self.trainer.dispatch_step(
+        self.state, batch, policy_version=self.version if exact else -1)
     if p["publish"]:
       self.version += 1
       self._start_publish(self.state.params, self.version)  # taken at a sample event
