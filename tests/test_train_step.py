@@ -307,3 +307,25 @@ def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention):
   _, metrics = trainer.step(trainer.init_state(params=params),
                             trainer.make_train_batch(groups), policy_version=7)
   assert metrics["logprob_mismatch_tokens"] == 0 and metrics["logprob_mismatch_max"] == 0
+
+
+@pytest.mark.parametrize("chunk, whole_logits", [(8, False), (0, True)])
+def test_step_never_holds_whole_logits(chunk, whole_logits):
+  """The compiled step's largest vocabulary-sized buffer: one chunk's [rows, 8, v] with
+  logprob_chunk_len=8; the whole [rows, t, v] only when the head runs as one chunk."""
+  import re
+  mcfg = _model_cfg().replace(vocab_size=100)
+  trainer = ts.Trainer(mcfg, _trainer_cfg(logprob_chunk_len=chunk), _mesh((1, 1, 1)),
+                       total_steps=1)
+  state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
+  b, t = 8, 32
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  batch = dict(tokens_bt=spec((b, t), jnp.int32), mask_bt=spec((b, t), jnp.bool_),
+               behavior_logprobs_bt=spec((b, t), jnp.float32),
+               advantages_b=spec((b,), jnp.float32), versions_bt=spec((b, t), jnp.int32))
+  hlo = trainer._step.lower(state, batch, (), spec((), jnp.int32)).compile().as_text()
+  vocab_sized = [np.prod([int(d) for d in dims.split(",")])
+                 for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
+                 if "100" in dims.split(",")]
+  assert vocab_sized and max(vocab_sized) >= b * 8 * 100
+  assert (max(vocab_sized) >= b * t * 100) == whole_logits
