@@ -107,3 +107,21 @@ def test_config_rejects_unknown_kernel_and_remat_policy():
   with pytest.raises(ValueError, match="remat must be one of"):
     cfg.replace(remat="sometimes")
   assert cfg.replace(remat=True).remat == "full" and cfg.replace(remat=False).remat == "none"
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_splash_in_the_scanned_remat_model_gives_jnp_gradients(remat):
+  """The splash kernel's custom VJP under nn.scan + nn.remat, through the chunked head."""
+  cfg = M.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, remat=remat)
+  params = M.init_params(cfg, jax.random.key(0))
+  tokens = np.random.RandomState(0).randint(0, 96, (2, 20)).astype(np.int32)
+
+  def loss(p, c):
+    x = M.hidden_states(c, p, tokens)
+    return jnp.mean(M.token_stats(c, p, x, tokens, chunk_len=8).logp_bt)
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (l_s, g_s), (l_j, g_j) = (grad(params, cfg.replace(attention=a)) for a in ("splash", "jnp"))
+  np.testing.assert_allclose(l_s, l_j, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_j)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
