@@ -16,7 +16,13 @@ def get_config(arg=None):
   c.model.path = ""  # Hugging Face checkpoint directory; overrides the preset's weights
   c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   c.model.param_dtype = "float32"  # trainer master params
-  c.model.remat = False  # recompute layer activations in the backward pass (less memory)
+  # Layer rematerialisation: none | full (recompute each layer in the backward pass) |
+  # dots (keep weight-matmul outputs, recompute the rest). Typed `object` so configs
+  # written when this was a boolean still load: True means full, False none.
+  c.model.remat = ml_collections.FieldReference("none", field_type=object)
+  # Full-sequence attention kernel (training, prefill): auto | jnp | xla | cudnn | splash.
+  # auto: cuDNN flash attention on GPU in bf16, Pallas splash on TPU, XLA on CPU.
+  c.model.attention = "auto"
 
   c.mesh = ml_collections.ConfigDict()
   # colocated: sampler and trainer share every device (one GPU, a laptop).
@@ -47,6 +53,7 @@ def get_config(arg=None):
   c.trainer.b2 = 0.99
   c.trainer.grad_clip = 1.0
   c.trainer.micro_batch_size = 0  # rollouts per micro-batch; 0: whole batch at once
+  c.trainer.logprob_chunk_len = 128  # positions per lm-head chunk; 0: the whole sequence
   c.trainer.num_minibatches = 1  # optimizer updates per batch
   c.trainer.length_buckets = (64, 128, 256, 512, 1024, 2048, 4096)
   c.trainer.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm

@@ -49,7 +49,7 @@ from rl_jax.errors import UserError
 
 ARRAY_ITEMS = ("params", "opt_state", "ref_params")
 # Config fields a resumed run must share with its checkpoint: config.resume_must_match.
-_MODEL_MAY_DIFFER = ("remat",)
+_MODEL_MAY_DIFFER = ("remat", "attention")
 
 
 class RestoreError(UserError, RuntimeError):

@@ -100,6 +100,10 @@ def check_fields(cfg, base, prefix: str = "") -> None:
       allowed = ", ".join(sorted(base.keys()))
       raise ConfigError(f"unknown config field {name!r}; fields here are: {allowed}")
     v, b = cfg[key], base[key]
+    if name == "model.remat" and (isinstance(v, bool) or str(v).lower() in ("true", "false")):
+      # Configs written when remat was a boolean keep working.
+      with cfg.ignore_type():
+        cfg[key] = v = "full" if str(v).lower() == "true" else "none"
     if isinstance(b, ml_collections.ConfigDict):
       if not isinstance(v, ml_collections.ConfigDict):
         raise ConfigError(f"config field {name!r} must be a group of fields, got {v!r}")
@@ -241,6 +245,7 @@ DOMAINS = {
     "trainer.learning_rate": "> 0", "trainer.warmup_steps": ">= 0",
     "trainer.weight_decay": ">= 0", "trainer.b1": "[0, 1)", "trainer.b2": "[0, 1)",
     "trainer.grad_clip": ">= 0", "trainer.micro_batch_size": ">= 0",
+    "trainer.logprob_chunk_len": ">= 0",
     "trainer.num_minibatches": ">= 1", "trainer.eps_low": "[0, 1]", "trainer.eps_high": ">= 0",
     "trainer.tis_cap": ">= 0", "trainer.kl_beta": ">= 0", "trainer.loss_norm_len": ">= 0",
     "rl.total_steps": ">= 1", "rl.groups_per_step": ">= 1", "rl.group_size": ">= 2",
@@ -263,6 +268,7 @@ _DOMAIN_NOTES = {
     "trainer.micro_batch_size": "0 = whole batch", "trainer.tis_cap": "0 = off",
     "trainer.grad_clip": "0 = off",
     "trainer.loss_norm_len": "0 = sampler.max_new_tokens",
+    "trainer.logprob_chunk_len": "0 = whole sequence",
     "rl.max_staleness": "0 = on-policy only", "rl.max_inflight_groups": "-1 = auto",
     "rl.group_size": "group advantages compare completions of one prompt",
     "checkpoint.every": "0 = off", "rl.eval_every": "0 = only at start and end",
@@ -270,9 +276,10 @@ _DOMAIN_NOTES = {
 # A checkpoint continues a run only with the same values of these fields (prefixes end
 # with "."): they define the model's shapes, the prompt stream its saved iterator state
 # indexes into, and the sampling seeds. task.heldout_size only changes the evaluation
-# set and model.remat only what the backward pass recomputes.
+# set, model.remat only what the backward pass recomputes and model.attention only which
+# kernel computes the same function.
 RESUME_MUST_MATCH = ("seed", "model.", "task.", "data.")
-RESUME_MAY_DIFFER = ("task.heldout_size", "model.remat")
+RESUME_MAY_DIFFER = ("task.heldout_size", "model.remat", "model.attention")
 
 
 def resume_must_match(key: str) -> bool:
@@ -359,6 +366,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "rl.mode", ("sync", "async"))
   _choice(cfg, "model.dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
+  _choice(cfg, "model.remat", ("none", "full", "dots"))
+  _choice(cfg, "model.attention", ("auto", "jnp", "xla", "cudnn", "splash"))
   _choice(cfg, "sampler.dtype", ("float32", "bfloat16"))
   _choice(cfg, "trainer.loss_agg", ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"))
   _choice(cfg, "trainer.schedule", ("constant", "cosine"))

@@ -12,7 +12,9 @@ Names are flat and prefixed by area, following the seed's monitoring table:
                  same), wait_inflight_s (copy staged -> swapped in by the sampler between
                  decode calls), pause_s (sampler-thread time taking the weights), lag_s
                  (publish -> first sampler step on it), bytes, version
-  policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...
+  policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...,
+                 logprob_mismatch_mean/max/tokens: |trainer - sampler log-prob| on the
+                 tokens sampled with the params the step starts from (numerics only)
   optim/*        loss, pg_loss, grad_norm, update_norm, skipped_nonfinite, learning_rate
   reward/*       train (mean over the trained batch), heldout (greedy, fixed held-out set)
   cost/*         sampler_device_s, trainer_device_s, reward_gain_per_device_hour

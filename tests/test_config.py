@@ -100,6 +100,9 @@ def test_bad_file_and_variant(tmp_path):
     ("verifier.failure_prob", 1.5, ["verifier.failure_prob"]),
     ("sampler.max_concurrent_decodes", 6, ["sampler.max_concurrent_decodes", "4"]),
     ("mesh.trainer.pipeline", 2, ["mesh.trainer.pipeline", "data, fsdp, tensor"]),
+    ("model.attention", "flash", ["model.attention", "'cudnn'", "'splash'"]),
+    ("model.remat", "some", ["model.remat", "'none', 'full', 'dots'"]),
+    ("trainer.logprob_chunk_len", -1, ["trainer.logprob_chunk_len", ">= 0"]),
 ])
 def test_validation_errors(field, value, words):
   cfg, _ = load()
@@ -189,3 +192,20 @@ def test_config_file_failures_name_the_file_and_line(tmp_path):
   not_a_config.write_text("def get_config(arg=None):\n  return {}\n")
   with pytest.raises(ConfigError, match="returned dict, not an ml_collections.ConfigDict"):
     load(spec=str(not_a_config))
+
+
+def test_legacy_boolean_remat_maps_to_a_policy(tmp_path):
+  old = tmp_path / "old.py"
+  old.write_text("from configs import default\n"
+                 "def get_config(arg=None):\n"
+                 "  c = default.get_config(arg)\n"
+                 "  c.model.remat = True\n"
+                 "  return c\n")
+  cfg, _ = load(spec=str(old))
+  assert cfg.model.remat == "full"
+  cfg, _ = load("--config.model.remat=false")
+  config_lib.validate(cfg, num_devices=8)
+  assert cfg.model.remat == "none"
+  cfg, _ = load("--config.model.remat=dots", "--config.model.attention=xla")
+  config_lib.validate(cfg, num_devices=8)
+  assert (cfg.model.remat, cfg.model.attention) == ("dots", "xla")

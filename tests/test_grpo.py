@@ -199,21 +199,6 @@ def test_on_policy_is_neutral(ratio_level):
   np.testing.assert_allclose(float(loss), want, rtol=1e-6)
 
 
-def test_token_logprobs_and_entropy():
-  rng = np.random.default_rng(4)
-  logits = rng.normal(size=(2, 5, V)).astype(np.float32)
-  tokens = rng.integers(0, V, (2, 5))
-  logp = np.asarray(grpo.token_logprobs(logits_btv=logits, tokens_bt=tokens))
-  ent = np.asarray(grpo.token_entropy(logits_btv=logits))
-  for b in range(2):
-    for t in range(5):
-      p = np.exp(logits[b, t].astype(np.float64))
-      p /= p.sum()
-      np.testing.assert_allclose(ent[b, t], -(p * np.log(p)).sum(), rtol=1e-5)
-      want = np.log(p[tokens[b, t + 1]]) if t < 4 else 0.0
-      np.testing.assert_allclose(logp[b, t], want, rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("kl_estimator", grpo.KL_ESTIMATORS)
 @pytest.mark.parametrize("ratio_level", grpo.RATIO_LEVELS)
 def test_nan_off_the_mask_never_reaches_the_gradient(kl_estimator, ratio_level):
@@ -272,3 +257,21 @@ def test_extreme_log_ratios_stay_finite(ratio_level):
   (loss, stats), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp))
   assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
   assert np.isfinite(float(stats["kl_behavior"])) and np.isfinite(float(stats["kl"]))
+
+
+def test_logprob_mismatch_counts_only_current_version_tokens():
+  rng = np.random.default_rng(0)
+  prox = rng.normal(size=(3, 6)).astype(np.float32)
+  mu = prox + rng.normal(scale=1e-3, size=(3, 6)).astype(np.float32)
+  mask = rng.random((3, 6)) < 0.7
+  versions = np.where(mask, rng.integers(4, 6, (3, 6)), -1).astype(np.int32)
+  mu[versions == 4] += 5.0  # stale tokens: far off, and left out
+  mu[~mask] = np.nan  # padding may hold anything
+  out = grpo.logprob_mismatch(prox_logp_bt=prox, behavior_logp_bt=mu, mask_bt=mask,
+                              versions_bt=versions, policy_version=5)
+  on = mask & (versions == 5)
+  gap = np.abs(prox - mu)[on]
+  assert on.sum() > 0 and (mask & (versions == 4)).sum() > 0
+  np.testing.assert_allclose(out["mismatch_sum"], gap.sum(), rtol=1e-6)
+  np.testing.assert_allclose(out["mismatch_max"], gap.max(), rtol=1e-6)
+  assert float(out["mismatch_tokens"]) == on.sum()

@@ -90,6 +90,38 @@ def test_logits_match_transformers(case, tmp_path):
   np.testing.assert_allclose(got_offset, ref_offset, atol=1e-4, rtol=0)
 
 
+# (heads, kv heads, head_dim, length, attention): GQA ratios other than HF_CASES' 2, MQA
+# and MHA, odd lengths, every CPU attention kernel.
+OTHER_SHAPES = {
+    "gqa3_odd_xla": (6, 2, 8, 17, "xla"),
+    "mqa_odd_jnp": (4, 1, 16, 11, "jnp"),
+    "mha_auto": (3, 3, 8, 20, "auto"),
+    "gqa4_splash": (8, 2, 8, 9, "splash"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER_SHAPES))
+def test_logits_match_transformers_on_other_shapes(case, tmp_path):
+  heads, kv_heads, head_dim, t, attention = OTHER_SHAPES[case]
+  hf_cfg = transformers.Qwen2Config(
+      vocab_size=80, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
+      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+      max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=True)
+  torch.manual_seed(0)
+  hf_model = transformers.Qwen2ForCausalLM(hf_cfg)
+  _randomize(hf_model.eval(), seed=2)
+  hf_model.save_pretrained(tmp_path)
+  cfg, params = M.from_pretrained(str(tmp_path))
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (heads, kv_heads, head_dim)
+  cfg = cfg.replace(attention=attention)
+  tokens = _tokens(2, t, 80, seed=3)
+  with torch.no_grad():
+    ref = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  got = np.asarray(apply(cfg, params, tokens))
+  assert np.abs(ref).max() > 1.0
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
 def test_bfloat16_compute_stays_close_to_float32(tiny):
   cfg, params = tiny
   tokens = _tokens(2, 16, cfg.vocab_size)
@@ -218,8 +250,24 @@ def test_remat_gives_the_same_gradients(tiny):
 
   grad = jax.jit(jax.grad(loss))
   g_plain = grad(params, cfg)
-  g_remat = grad(params, cfg.replace(remat=True))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_plain, g_remat)
+  for policy in ("full", "dots", True):  # True: the legacy boolean, meaning full
+    g_remat = grad(params, cfg.replace(remat=policy))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_plain, g_remat)
+
+
+def test_remat_policies_save_less_than_none(tiny):
+  """What each policy keeps for the backward pass: full < dots < none, by the saved
+  residuals of jax.linearize's forward (all of them float32 here)."""
+  cfg, params = tiny
+  tokens = _tokens(2, 8, cfg.vocab_size)
+
+  def saved_bytes(policy):
+    c = cfg.replace(remat=policy)
+    _, f_jvp = jax.linearize(lambda p: M.apply(c, p, tokens), params)
+    consts = [x for x in jax.tree.leaves(f_jvp) if hasattr(x, "nbytes")]
+    return sum(x.nbytes for x in consts)
+  full, dots, none = (saved_bytes(p) for p in ("full", "dots", "none"))
+  assert full < dots < none
 
 
 PUBLISHED_SIZES = {

@@ -7,6 +7,7 @@ import pytest
 from configs import base
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer import train_step as ts
 from rl_jax.types import Group, Rollout
@@ -219,3 +220,112 @@ def test_micro_batches_equal_full_batch(params0, single_device_step):
   _assert_params_close(_host(state.params), want_params, cfg.learning_rate)
   for k in ("loss", "grad_norm", "entropy", "kl_behavior"):
     np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-5)
+
+
+def _reference_loss(model_cfg, cfg, params, ref_params, batch, prox_bt):
+  """The GRPO loss from the full [b, t, v] logits (model.apply + grpo), the path the
+  chunked lm head replaces."""
+  def logp(p):
+    logp_btv = jax.nn.log_softmax(model.apply(model_cfg, p, batch.tokens_bt), axis=-1)
+    next_bt = jnp.asarray(np.pad(batch.tokens_bt[:, 1:], ((0, 0), (0, 1))))
+    picked = jnp.take_along_axis(logp_btv, next_bt[..., None], axis=-1)[..., 0]
+    return picked.at[:, -1].set(0.0)
+  weights = grpo.loss_weights(mask_bt=batch.mask_bt, loss_agg=cfg.loss_agg, max_len=32)
+  loss, _ = grpo.grpo_loss(
+      logp_bt=logp(params), prox_logp_bt=prox_bt, behavior_logp_bt=batch.behavior_logprobs_bt,
+      ref_logp_bt=logp(ref_params), adv_b=batch.advantages_b, mask_bt=batch.mask_bt,
+      weights_bt=weights, eps_low=cfg.eps_low, eps_high=cfg.eps_high, tis_cap=cfg.tis_cap,
+      ratio_level=cfg.ratio_level, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
+  return loss
+
+
+@pytest.mark.parametrize("chunk", [5, 0])
+def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
+  """Trainer.loss_and_grad with the lm head in 5-position chunks (and in one chunk)
+  against the loss written on full logits, KL reference included."""
+  cfg = _trainer_cfg(kl_beta=0.1, loss_agg="seq_mean_token_mean", logprob_chunk_len=chunk,
+                     micro_batch_size=4)
+  mcfg = _model_cfg()
+  trainer = ts.Trainer(mcfg, cfg, _mesh((1, 1, 1)), total_steps=1)
+  params = trainer.init_state(params=params0).params
+  batch = trainer.make_train_batch(_groups(2, max_completion=20))
+  assert batch.seq_len == 32
+  prox = jax.tree.map(lambda p: p * 1.05, params)
+  prox_bt = trainer.logprobs(prox, batch)
+  loss, grads = trainer.loss_and_grad(params, batch, prox_bt)
+  ref = lambda p: _reference_loss(mcfg, cfg, p, params, batch, np.asarray(prox_bt))
+  want_loss, want_grads = jax.jit(jax.value_and_grad(ref))(params)
+  np.testing.assert_allclose(loss, want_loss, atol=1e-6, rtol=1e-6)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads)) > 1e-3
+
+
+@pytest.mark.parametrize("attention", ["jnp", "xla"])
+def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention):
+  """Rollouts sampled by the Engine (paged decode, temperature 1) at version 0, trained at
+  version 0 with the same params: |mu - pi| is float32 rounding. Tokens of another version
+  are left out of the metric, and a shifted behaviour log-prob shows up in it."""
+  from rl_jax.sampler import engine as engine_lib
+  from rl_jax.sampler import generator as gen_lib
+  mcfg = _model_cfg().replace(attention=attention)
+  params = jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p,
+                        model.init_params(mcfg, jax.random.key(5)))
+  eng = engine_lib.Engine(mcfg, mesh=_mesh((1, 1, 1)), max_concurrent_decodes=8, page_size=4,
+                          num_pages=64, max_prefill_length=8, max_new_tokens=12, stop_ids=())
+  gen = gen_lib.Generator(eng, params, version=0)
+  prompts = [PROMPT, np.array([1, 7, 8], np.int32)]
+  for g, p in enumerate(prompts):
+    gen.add_group(g, p, 4, seed=g, sampling=engine_lib.Sampling(temperature=1.0))
+  rollouts = []
+  while gen.num_active or gen.num_pending:
+    rollouts.extend(gen.step())
+  groups = []
+  for g, p in enumerate(prompts):
+    rs = sorted((r for r in rollouts if r.group_id == g), key=lambda r: r.sample_index)
+    for r in rs:
+      r.reward = float(r.sample_index % 2)
+    groups.append(Group(group_id=g, example=None, prompt_tokens=p, rollouts=rs))
+  # Rollout 0 of group 1 claims version 1 and has wrong log-probs: not counted.
+  stale = groups[1].rollouts[0]
+  stale.token_versions = np.ones_like(stale.token_versions)
+  stale.behavior_logprobs = stale.behavior_logprobs - 0.5
+  n_on = sum(len(r.completion_tokens) for r in rollouts) - len(stale.completion_tokens)
+
+  trainer = ts.Trainer(mcfg, _trainer_cfg(), _mesh((2, 1, 1)), total_steps=2)
+  state = trainer.init_state(params=params)
+  state, metrics = trainer.step(state, trainer.make_train_batch(groups), policy_version=0)
+  assert metrics["logprob_mismatch_tokens"] == n_on > 0
+  assert metrics["logprob_mismatch_max"] < 1e-4
+  assert metrics["logprob_mismatch_mean"] <= metrics["logprob_mismatch_max"]
+
+  # The same batch with one on-policy token's behaviour log-prob moved by 1e-2.
+  state = trainer.init_state(params=params)
+  groups[0].rollouts[1].behavior_logprobs[2] += 1e-2
+  _, metrics = trainer.step(state, trainer.make_train_batch(groups), policy_version=0)
+  np.testing.assert_allclose(metrics["logprob_mismatch_max"], 1e-2, atol=1e-4)
+  _, metrics = trainer.step(trainer.init_state(params=params),
+                            trainer.make_train_batch(groups), policy_version=7)
+  assert metrics["logprob_mismatch_tokens"] == 0 and metrics["logprob_mismatch_max"] == 0
+
+
+@pytest.mark.parametrize("chunk, whole_logits", [(8, False), (0, True)])
+def test_step_never_holds_whole_logits(chunk, whole_logits):
+  """The compiled step's largest vocabulary-sized buffer: one chunk's [rows, 8, v] with
+  logprob_chunk_len=8; the whole [rows, t, v] only when the head runs as one chunk."""
+  import re
+  mcfg = _model_cfg().replace(vocab_size=100)
+  trainer = ts.Trainer(mcfg, _trainer_cfg(logprob_chunk_len=chunk), _mesh((1, 1, 1)),
+                       total_steps=1)
+  state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
+  b, t = 8, 32
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  batch = dict(tokens_bt=spec((b, t), jnp.int32), mask_bt=spec((b, t), jnp.bool_),
+               behavior_logprobs_bt=spec((b, t), jnp.float32),
+               advantages_b=spec((b,), jnp.float32), versions_bt=spec((b, t), jnp.int32))
+  hlo = trainer._step.lower(state, batch, (), spec((), jnp.int32)).compile().as_text()
+  vocab_sized = [np.prod([int(d) for d in dims.split(",")])
+                 for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
+                 if "100" in dims.split(",")]
+  assert vocab_sized and max(vocab_sized) >= b * 8 * 100
+  assert (max(vocab_sized) >= b * t * 100) == whole_logits

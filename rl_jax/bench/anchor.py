@@ -84,6 +84,16 @@ def run(path: str, model_cfg, sizes, *, copy_gbps: float | None,
               bw_gbps=module.BW / 1e9, peak_tflops=module.PEAK / 1e12)
 
 
+# The anchor's train-step row: today's bf16 + cuDNN step, or the first anchor's fp32 one.
+TRAIN_KINDS = ("train-step-bf16-cudnn-attn", "train-step-fp32-params")
+
+
+def train_row(anchor: dict) -> dict | None:
+  """The anchor's train-step row, whichever version of the anchor wrote it."""
+  rows = [r for kind in TRAIN_KINDS for r in anchor.get("rows", []) if r["kind"] == kind]
+  return rows[0] if rows else None
+
+
 def ratios(anchor: dict, results: dict) -> dict:
   """rl_jax / plain JAX, per comparable row (> 1: rl_jax is faster)."""
   out = {}
@@ -96,7 +106,7 @@ def ratios(anchor: dict, results: dict) -> dict:
       if ref:
         out[f"decode_b{row['batch']}_over_{name}"] = row["tokens_per_s"] / ref["tok_s"]
   train = results.get("train")
-  ref = next(iter(by_kind.get("train-step-fp32-params", {}).values()), None)
+  ref = train_row(anchor)
   if train and ref:
     out["train_over_anchor"] = train["tokens_per_s"] / ref["tok_s"]
   sync = results.get("sync")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rl_jax import model
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.trainer import train_step as ts
 from rl_jax.bench import measure
@@ -68,9 +69,12 @@ def prefill_program(model_cfg, mesh, *, sizes, dtype, device_bytes) -> dict:
   return memory(compiled, device_bytes)
 
 
-def train_program(model_cfg, mesh, *, sizes, dtype, remat, device_bytes) -> dict:
+def train_program(model_cfg, mesh, *, sizes, dtype, remat, logprob_chunk_len,
+                  device_bytes) -> dict:
   before = _live_bytes()
-  cfg = measure.trainer_config(length_buckets=(sizes.train_seq,))
+  cfg = measure.trainer_config(length_buckets=(sizes.train_seq,),
+                               micro_batch_size=sizes.train_micro_batch,
+                               logprob_chunk_len=logprob_chunk_len)
   trainer = ts.Trainer(model_cfg.replace(dtype=dtype, remat=remat), cfg, mesh, total_steps=1)
   allocated = _live_bytes() - before
   state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
@@ -78,14 +82,18 @@ def train_program(model_cfg, mesh, *, sizes, dtype, remat, device_bytes) -> dict
   batch = dict(tokens_bt=jax.ShapeDtypeStruct((b, t), jnp.int32),
                mask_bt=jax.ShapeDtypeStruct((b, t), jnp.bool_),
                behavior_logprobs_bt=jax.ShapeDtypeStruct((b, t), jnp.float32),
-               advantages_b=jax.ShapeDtypeStruct((b,), jnp.float32))
+               advantages_b=jax.ShapeDtypeStruct((b,), jnp.float32),
+               versions_bt=jax.ShapeDtypeStruct((b, t), jnp.int32))
+  version = jax.ShapeDtypeStruct((), jnp.int32)
   # trainer._step is the program Trainer.step runs; () is the absent reference policy.
-  compiled = trainer._step.lower(state, batch, ()).compile()
+  compiled = trainer._step.lower(state, batch, (), version).compile()
   return dict(memory(compiled, device_bytes), construct_allocated_bytes=allocated)
 
 
-def run(model_cfg, sizes, *, dtype: str, remat: bool, device_gib: float) -> dict:
-  """{program name: memory figures}; on a CPU backend also the float32 builds."""
+def run(model_cfg, sizes, *, dtype: str, remat: str, device_gib: float,
+        logprob_chunk_len: int = 128) -> dict:
+  """{program name: memory figures}; on a CPU backend also the float32 builds. The train
+  step is compiled with `remat` first, then the other remat policies."""
   mesh = measure.one_device_mesh()
   device_bytes = device_gib * GIB
   dtypes = [dtype]
@@ -98,7 +106,9 @@ def run(model_cfg, sizes, *, dtype: str, remat: bool, device_gib: float) -> dict
           model_cfg, mesh, batch=b, sizes=sizes, dtype=dt, device_bytes=device_bytes)
     out[f"prefill_t{sizes.prefill_len}_{dt}"] = prefill_program(
         model_cfg, mesh, sizes=sizes, dtype=dt, device_bytes=device_bytes)
-    for r in (remat, not remat):
-      out[f"train_b{sizes.train_batch}_t{sizes.train_seq}_remat{int(r)}_{dt}"] = train_program(
-          model_cfg, mesh, sizes=sizes, dtype=dt, remat=r, device_bytes=device_bytes)
+    for r in (remat,) + tuple(p for p in model.REMAT_POLICIES if p != remat):
+      name = (f"train_b{sizes.train_batch}_t{sizes.train_seq}_mb{sizes.train_micro_batch}"
+              f"_remat-{r}_{dt}")
+      out[name] = train_program(model_cfg, mesh, sizes=sizes, dtype=dt, remat=r,
+                                logprob_chunk_len=logprob_chunk_len, device_bytes=device_bytes)
   return out

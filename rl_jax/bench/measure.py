@@ -21,7 +21,8 @@ Prefill. Engine.prefill of one prompt of `length` tokens (batch 1, as the genera
 prefills once per group). Model FLOPs = length x (2 N_mm + 2 L length H D_h), N_mm
 without the embedding and the vocabulary projection (prefill computes no logits).
 
-Train. rl_jax.bench.trainer.run_train_benchmark, whose FLOPs formula gives MFU.
+Train. rl_jax.bench.trainer.run_train_benchmark, whose FLOPs formula gives MFU, with
+the suite's remat policy, micro-batch rows and lm-head chunk length.
 
 Weight sync. WeightSync.transfer of the whole model, colocated on one device: fp32
 trainer params -> sampler dtype. The least traffic it can do is reading the fp32
@@ -49,7 +50,7 @@ from rl_jax.bench import trainer as train_bench
 # need ml_collections (tests/test_bench.py checks the two agree).
 TRAINER_DEFAULTS = dict(
     learning_rate=1e-4, schedule="constant", warmup_steps=0, weight_decay=0.0, b1=0.9,
-    b2=0.99, grad_clip=1.0, micro_batch_size=0, num_minibatches=1,
+    b2=0.99, grad_clip=1.0, micro_batch_size=0, logprob_chunk_len=128, num_minibatches=1,
     length_buckets=(64, 128, 256, 512, 1024, 2048, 4096), loss_agg="token_mean",
     eps_low=0.2, eps_high=0.28, tis_cap=2.0, ratio_level="token", std_normalize=True,
     kl_beta=0.0, kl_estimator="k3", loss_norm_len=0)
@@ -189,9 +190,11 @@ def prefill(model_cfg, params, mesh, *, length: int, page_size: int, repeats: in
 
 
 def train(model_cfg, *, batch: int, seq: int, steps: int, warmup: int, dtype: str,
-          remat: bool, peak_tflops: float | None, ref_tflops: float) -> dict:
+          remat: str, micro_batch: int, logprob_chunk_len: int, peak_tflops: float | None,
+          ref_tflops: float) -> dict:
+  cfg = trainer_config(micro_batch_size=micro_batch, logprob_chunk_len=logprob_chunk_len)
   row = train_bench.run_train_benchmark(
-      model_cfg.replace(dtype=dtype, remat=remat), trainer_config(), mesh_shape=(1, 1, 1),
+      model_cfg.replace(dtype=dtype, remat=remat), cfg, mesh_shape=(1, 1, 1),
       batch=batch, seq_len=seq, steps=steps, warmup=warmup)
   if ref_tflops:
     row["mfu_ref"] = row["achieved_tflops"] / ref_tflops

@@ -27,6 +27,9 @@ class Sizes:
   prefill_len: int = 1024
   train_batch: int = 16
   train_seq: int = 1024
+  # Rows per trainer micro-batch (0: the whole batch); 8 keeps the 0.5B model's 16 x 1k
+  # step with remat "dots" well inside 24 GiB (notes/PERFORMANCE.md, AOT figures).
+  train_micro_batch: int = 8
   train_steps: int = 5
   train_warmup: int = 2
   copy_mib: int = 1024  # bytes copied by the bandwidth probe
@@ -47,7 +50,8 @@ SMALL = Sizes(
     decode_batches=(4, 16), ctx=64, page_size=16, steps_per_call=4, decode_calls=3,
     prefill_len=64, train_batch=4, train_seq=64, train_steps=2, train_warmup=1, copy_mib=16,
     matmul_n=256, repeats=3, e2e_steps=4, e2e_max_new_tokens=12, e2e_groups_per_step=4,
-    e2e_group_size=4, e2e_slots=16, e2e_steps_per_call=4, e2e_micro_batch=0, e2e_heldout=8)
+    e2e_group_size=4, e2e_slots=16, e2e_steps_per_call=4, e2e_micro_batch=0, e2e_heldout=8,
+    train_micro_batch=0)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -73,8 +77,13 @@ def add_suite_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", default="", help="write the results as JSON here")
   p.add_argument("--dtype", default="bfloat16",
                  help="sampler weights / KV and trainer compute dtype (master params stay fp32)")
-  p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
-                 help="train section: recompute layer activations (the anchor does)")
+  p.add_argument("--remat", default="dots", choices=("none", "full", "dots"),
+                 help="train section: layer remat policy (ModelConfig.remat; the anchor: full)")
+  p.add_argument("--attention", default="auto",
+                 choices=("auto", "jnp", "xla", "cudnn", "splash"),
+                 help="full-sequence attention kernel for prefill and train (ModelConfig)")
+  p.add_argument("--logprob-chunk", type=int, default=128,
+                 help="train section: positions per lm-head chunk (0: whole sequence)")
   p.add_argument("--peak-tflops", type=float, default=790.0,
                  help="reference bf16 peak per device for a second MFU (DESIGN.md: H200)")
   p.add_argument("--ref-gbps", type=float, default=4300.0,

@@ -56,7 +56,7 @@ def _section_fns(args, sizes, model_cfg, res, sections):
 
   def aot():
     return aot_lib.run(model_cfg, sizes, dtype=args.dtype, remat=args.remat,
-                       device_gib=args.device_gib)
+                       device_gib=args.device_gib, logprob_chunk_len=args.logprob_chunk)
 
   def probe():
     return dict(measure.copy_bandwidth(nbytes=sizes.copy_mib * 2 ** 20, repeats=sizes.repeats),
@@ -79,7 +79,9 @@ def _section_fns(args, sizes, model_cfg, res, sections):
   def train():
     return measure.train(model_cfg, batch=sizes.train_batch, seq=sizes.train_seq,
                          steps=sizes.train_steps, warmup=sizes.train_warmup, dtype=args.dtype,
-                         remat=args.remat, peak_tflops=probes().get("matmul_tflops"),
+                         remat=args.remat, micro_batch=sizes.train_micro_batch,
+                         logprob_chunk_len=args.logprob_chunk,
+                         peak_tflops=probes().get("matmul_tflops"),
                          ref_tflops=args.peak_tflops)
 
   def sync():
@@ -114,11 +116,13 @@ def run(args) -> dict:
   sizes = options.sizes_from_args(args)
   plan = options.sections_from_args(args)
   sections = [s for s, why in plan.items() if not why]
-  model_cfg = model.get_preset(args.preset)
+  # Every section (prefill, train, aot) runs the chosen attention kernel.
+  model_cfg = model.get_preset(args.preset).replace(attention=args.attention)
   device = jax.devices()[0]
   res = dict(
       suite="rl_jax", preset=args.preset, params=model.num_params(model_cfg),
-      dtype=args.dtype, remat=args.remat, backend=jax.default_backend(),
+      dtype=args.dtype, remat=args.remat, attention=args.attention,
+      logprob_chunk_len=args.logprob_chunk, backend=jax.default_backend(),
       device=device.device_kind, jax=jax.__version__, python=platform.python_version(),
       sizes=dataclasses.asdict(sizes),
       peak_tflops_ref=args.peak_tflops, copy_gbps_ref=args.ref_gbps, targets=TARGETS,
@@ -213,7 +217,7 @@ def table_rows(res: dict) -> list[tuple]:
     rows.append(("prefill", f"T={pf['length']} MFU", pf.get("mfu"), None, None, ""))
   tr = res.get("train")
   if tr:
-    tref = ref.get(("train-step-fp32-params", tr["batch"]), {})
+    tref = anchor_lib.train_row(anchor) or {}
     tag = f"B={tr['batch']} T={tr['seq']}"
     rows.append(("train", f"{tag} tokens/s", tr["tokens_per_s"], tref.get("tok_s"),
                  ratios.get("train_over_anchor"), at_least_plain))

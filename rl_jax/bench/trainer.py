@@ -63,12 +63,13 @@ def run_train_benchmark(model_cfg, trainer_cfg, *, mesh_shape, batch: int, seq_l
   state = trainer.init_state(rng=jax.random.key(0))
   t0 = time.perf_counter()
   for _ in range(warmup):
-    state, metrics = trainer.step(state, tb)
+    state, metrics = trainer.step(state, tb, policy_version=0)
   compile_s = time.perf_counter() - t0
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, metrics = trainer.step(state, tb)  # returns host floats, so the step has finished
+    # Returns host floats, so the step has finished; the synthetic tokens are version 0.
+    state, metrics = trainer.step(state, tb, policy_version=0)
     times.append(time.perf_counter() - t0)
   step_s = float(np.median(times))
   tokens = tb.tokens_bt.size
@@ -77,7 +78,8 @@ def run_train_benchmark(model_cfg, trainer_cfg, *, mesh_shape, batch: int, seq_l
   out = dict(
       bench="train", backend=jax.default_backend(), device=jax.devices()[0].device_kind,
       mesh=list(mesh_shape), params=model.num_params(model_cfg), dtype=model_cfg.dtype,
-      remat=model_cfg.remat, batch=tb.tokens_bt.shape[0], seq=tb.seq_len,
+      remat=model_cfg.remat, attention=model_cfg.attention,
+      logprob_chunk_len=trainer.logprob_chunk_len, batch=tb.tokens_bt.shape[0], seq=tb.seq_len,
       micro_batch_size=trainer.micro_batch_size, num_minibatches=trainer.num_minibatches,
       steps=steps, warmup_s=compile_s, step_ms_p50=1e3 * step_s,
       step_ms_mean=1e3 * float(np.mean(times)), tokens_per_s=tokens / step_s,

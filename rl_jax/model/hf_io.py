@@ -252,7 +252,7 @@ def from_run_config(section, *, weights: bool = False,
                     weights_dtype: str = "float32") -> tuple[ModelConfig, dict | None]:
   """The model a run's `model` config section names: model.path's Hugging Face config
   (its params too, host arrays of `weights_dtype`, when `weights`) or model.preset
-  (params None), with the section's dtype, param_dtype and remat."""
+  (params None), with the section's dtype, param_dtype, remat and attention."""
   from rl_jax.model.presets import get_preset
   params = None
   if not section.path:
@@ -263,7 +263,7 @@ def from_run_config(section, *, weights: bool = False,
     where = os.path.join(section.path, "config.json")
     mc = config_from_hf(_read_json(where), where=where)
   return mc.replace(dtype=section.dtype, param_dtype=section.param_dtype,
-                    remat=section.remat), params
+                    remat=section.remat, attention=section.attention), params
 
 
 def from_pretrained(path: str, dtype="float32") -> tuple[ModelConfig, dict]:

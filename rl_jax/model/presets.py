@@ -23,8 +23,16 @@ class ModelConfig:
   `dtype` is the compute dtype and `param_dtype` the stored parameter dtype, both as
   numpy dtype names ("float32", "bfloat16"). `rope_scaling` is None or a dict in Hugging
   Face's llama3 form: {"rope_type": "llama3", "factor", "low_freq_factor",
-  "high_freq_factor", "original_max_position_embeddings"}. `remat` recomputes each
-  layer's activations in the backward pass (less memory, about a third more compute).
+  "high_freq_factor", "original_max_position_embeddings"}.
+
+  `attention` picks the full-sequence attention kernel (training and prefill), one of
+  ATTENTION_IMPLS; see rl_jax.model.attention. `remat` is the layer rematerialisation
+  policy, one of REMAT_POLICIES: "none" keeps every activation for the backward pass,
+  "full" recomputes each layer's forward in the backward pass (least memory, one more
+  forward), "dots" saves the weight-matmul outputs and recomputes the rest
+  (jax.checkpoint_policies.dots_with_no_batch_dims_saveable: attention scores are
+  batched dots, so they are recomputed). The booleans of older configs map True ->
+  "full", False -> "none".
   """
   vocab_size: int
   hidden_size: int
@@ -46,9 +54,17 @@ class ModelConfig:
   bos_id: int = 1
   eos_id: int = 2
   pad_id: int = 0
-  remat: bool = False
+  remat: str = "none"
+  attention: str = "auto"
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):
+      # Frozen dataclass: normalise the legacy boolean in place, once.
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -68,6 +84,9 @@ class ModelConfig:
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
+
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("auto", "jnp", "xla", "cudnn", "splash")
 
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")

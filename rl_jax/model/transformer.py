@@ -26,10 +26,13 @@ Parameters (a plain dict; every layer leaf has a leading `l` axis from nn.scan):
   lm_head      (e, v)        ("embed", "vocab")   only without tie_embeddings
 
 Attention is pluggable (`forward(attn_fn=...)`) so the sampler's paged KV cache runs
-the same layer code as training.
+the same layer code as training. The default, full-sequence causal attention (training,
+prefill) uses the kernel named by `cfg.attention` (rl_jax.model.attention). `cfg.remat`
+picks the layer rematerialisation policy (none, full, dots: see presets.ModelConfig).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rl_jax.model import attention
 from rl_jax.model.presets import ModelConfig
 
 # attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx) -> (out_bthd, new_layer_cache)
@@ -111,9 +115,7 @@ def gqa_attention(q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
   return out_btkgd.reshape(b, t, h, d)
 
 
-def causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
-                     mask_bts: jax.Array | None = None) -> jax.Array:
-  """Causal self-attention over one sequence; `mask_bts` further restricts keys."""
+def _jnp_causal_attention(q_bthd, k_btkd, v_btkd, mask_bts=None):
   t = q_bthd.shape[1]
   causal_bts = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
   if mask_bts is not None:
@@ -121,9 +123,29 @@ def causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
   return gqa_attention(q_bthd, k_btkd, v_btkd, causal_bts)
 
 
-def _causal_attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx):
+def causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
+                     mask_bts: jax.Array | None = None, *,
+                     implementation: str = "auto") -> jax.Array:
+  """Causal self-attention over one sequence; out_bthd in v's dtype.
+
+  `implementation` is one of presets.ATTENTION_IMPLS (rl_jax.model.attention explains
+  each; "auto" picks by backend and q's dtype). `mask_bts` further restricts keys and
+  always takes the materialised jnp path.
+  """
+  impl = attention.resolve(implementation, q_bthd.dtype)
+  if impl == "jnp" or mask_bts is not None:
+    return _jnp_causal_attention(q_bthd, k_btkd, v_btkd, mask_bts)
+  fallback = _jnp_causal_attention if implementation == "auto" else None
+  return attention.fused_causal_attention(q_bthd, k_btkd, v_btkd, implementation=impl,
+                                          fallback=fallback)
+
+
+def _causal_attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation="auto"):
   del layer_cache, attn_ctx
-  return causal_attention(q_bthd, k_btkd, v_btkd), None
+  return causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation), None
+
+
+_REMAT_POLICY = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 def _normal(stddev: float):
@@ -203,12 +225,13 @@ class _Layer(nn.Module):
 
 
 class Transformer(nn.Module):
-  """tokens_bt, positions_bt -> (logits_btv float32, new_cache)."""
+  """tokens_bt, positions_bt -> (logits_btv float32, new_cache); with return_hidden the
+  final-normed hidden states x_bte (compute dtype) replace the logits."""
   cfg: ModelConfig
   attn_fn: AttnFn = _causal_attn_fn
 
   @nn.compact
-  def __call__(self, tokens_bt, positions_bt, cache=None, attn_ctx=None):
+  def __call__(self, tokens_bt, positions_bt, cache=None, attn_ctx=None, return_hidden=False):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     pdtype = jnp.dtype(cfg.param_dtype)
@@ -222,7 +245,9 @@ class Transformer(nn.Module):
     cos_btd, sin_btd = rope_tables(positions_bt, rope_inv_freq(cfg))
     cos_btd, sin_btd = cos_btd.astype(dtype), sin_btd.astype(dtype)
 
-    layer_cls = nn.remat(_Layer, prevent_cse=False) if cfg.remat else _Layer
+    layer_cls = _Layer
+    if cfg.remat != "none":
+      layer_cls = nn.remat(_Layer, prevent_cse=False, policy=_REMAT_POLICY[cfg.remat])
     layers = nn.scan(
         layer_cls,
         variable_axes={"params": 0},
@@ -238,6 +263,8 @@ class Transformer(nn.Module):
         "final_norm", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (e,),
         pdtype)
     x_bte = rms_norm(x_bte, final_norm, cfg.rms_norm_eps)
+    if return_hidden:
+      return x_bte, (stacked if cache is None else cache)
     if cfg.tie_embeddings:
       logits_btv = jnp.einsum("bte,ve->btv", x_bte, embed_ve.astype(dtype),
                               preferred_element_type=jnp.float32)
@@ -283,22 +310,25 @@ def param_logical_axes(model_cfg: ModelConfig) -> dict:
 
 def forward(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
             positions_bt: jax.Array, *, attn_fn: AttnFn | None = None, cache: Any = None,
-            attn_ctx: Any = None) -> tuple[jax.Array, Any]:
-  """(logits_btv float32, new_cache) with a pluggable attention.
+            attn_ctx: Any = None, return_hidden: bool = False) -> tuple[jax.Array, Any]:
+  """(logits_btv float32, new_cache) with a pluggable attention; with return_hidden,
+  (x_bte, new_cache): the final-normed hidden states before the vocabulary projection.
 
   attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx) -> (out_bthd, new_layer_cache)
   gets q/k/v after RoPE (k/v with num_kv_heads heads). `cache` leaves have a leading
   num_layers axis; layer i sees slice i as `layer_cache` and its returned cache (same
   structure and shapes) is written back to slice i. With cache=None the per-layer
   returns are stacked along a new leading axis instead. `attn_ctx` reaches every layer
-  unchanged. attn_fn=None is plain causal attention and returns new_cache=None.
+  unchanged. attn_fn=None is causal attention with model_cfg.attention's kernel and
+  returns new_cache=None.
   """
   if attn_fn is None:
     if cache is not None:
       raise ValueError("forward got a cache but no attn_fn to read or write it")
-    attn_fn = _causal_attn_fn
+    attn_fn = functools.partial(_causal_attn_fn, implementation=model_cfg.attention)
   module = Transformer(cfg=model_cfg, attn_fn=attn_fn)
-  return module.apply({"params": params}, tokens_bt, positions_bt, cache, attn_ctx)
+  return module.apply({"params": params}, tokens_bt, positions_bt, cache, attn_ctx,
+                      return_hidden)
 
 
 def apply(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
@@ -308,3 +338,13 @@ def apply(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                     tokens_bt.shape)
   return forward(model_cfg, params, tokens_bt, positions_bt)[0]
+
+
+def hidden_states(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
+                  positions_bt: jax.Array | None = None) -> jax.Array:
+  """Causal full-sequence final-normed hidden states x_bte (compute dtype), the input of
+  the vocabulary projection (rl_jax.model.head computes from them in chunks)."""
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
+                                    tokens_bt.shape)
+  return forward(model_cfg, params, tokens_bt, positions_bt, return_hidden=True)[0]

@@ -24,7 +24,8 @@ import numpy as np
 from rl_jax import metrics as metrics_lib
 
 _POLICY_KEYS = ("kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_p1", "ratio_p50",
-                "ratio_p99", "tis_weight_mean", "tis_truncated_frac", "behavior_prox_logp_gap")
+                "ratio_p99", "tis_weight_mean", "tis_truncated_frac", "behavior_prox_logp_gap",
+                "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_tokens")
 # Per-publication timings: metric weight_sync/<name>, summary weight_sync_<name>_mean
 # (transfer_s also as weight_sync_s_mean); checkpoints carry [sum, count] of each.
 _SYNC_KEYS = ("transfer_s", "wait_inflight_s", "pause_s", "lag_s")

@@ -300,7 +300,11 @@ class Pipeline:
     with self.schedule.event("train", gids=[g.group_id for g in groups],
                              rewards=[[r.reward for r in g.rollouts] for g in groups],
                              discarded=discarded, publish=publish):
-      self.state, result = self.trainer.dispatch_step(self.state, batch)
+      # The step's params are exactly the published version only right after a
+      # publication; otherwise no token measures the train/inference mismatch.
+      exact = self.policy.publishes(self.worker.steps_done)
+      self.state, result = self.trainer.dispatch_step(
+          self.state, batch, policy_version=self.version if exact else -1)
       if publish:
         self.version += 1
         self.worker.trainer_version = self.version

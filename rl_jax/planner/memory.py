@@ -110,7 +110,7 @@ def estimate(*, cfg, model_cfg, params: int, sampler_tensor: int, trainer_device
   seq_len = pick_bucket(cfg.data.max_prompt_length + cfg.sampler.max_new_tokens,
                         cfg.trainer.length_buckets)
   acts = activation_bytes(model_cfg=model_cfg, rows=rows, seq_len=seq_len,
-                          dtype=cfg.model.dtype, remat=bool(model_cfg.remat))
+                          dtype=cfg.model.dtype, remat=model_cfg.remat == "full")
   trainer = state // trainer_devices + acts // trainer_tensor
   if colocated:
     sampler = trainer = sampler + trainer

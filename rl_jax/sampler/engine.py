@@ -165,9 +165,10 @@ def _truncate(scaled_bv, top_k_b, top_p_b):
   return jnp.where(keep_orig_bv, scaled_bv, -jnp.inf)
 
 
-def _prefill_attention(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx):
+def _prefill_attention(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation):
   del layer_cache, attn_ctx
-  return model.causal_attention(q_bthd, k_btkd, v_btkd), (k_btkd, v_btkd)
+  return (model.causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation),
+          (k_btkd, v_btkd))
 
 
 def _paged_decode_attention(q_b1hd, k_b1kd, v_b1kd, layer_cache, attn_ctx):
@@ -270,7 +271,9 @@ def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
   positions_1t = jnp.arange(t, dtype=jnp.int32)[None]
   # Logits are not returned, so XLA drops the vocabulary projection.
   _, (k_l1tkd, v_l1tkd) = model.forward(model_cfg, params, padded_tokens_t[None],
-                                        positions_1t, attn_fn=_prefill_attention)
+                                        positions_1t, attn_fn=functools.partial(
+                                            _prefill_attention,
+                                            implementation=model_cfg.attention))
   return Prefix(k_l1tkd[:, 0].astype(kv_dtype), v_l1tkd[:, 0].astype(kv_dtype),
                 padded_tokens_t[true_length - 1].astype(jnp.int32),
                 jnp.asarray(true_length, jnp.int32))

@@ -1,10 +1,11 @@
-"""GRPO math: group advantages, clipped off-policy surrogate, KL, entropy.
+"""GRPO math: group advantages, clipped off-policy surrogate, KL, train/inference mismatch.
 
 Shape letters:
   n = groups (prompts), g = rollouts per group,
-  b = sequences (rows of a train batch), t = token positions, v = vocabulary.
+  b = sequences (rows of a train batch), t = token positions.
 
-Position convention (shared with rl_jax.trainer.train_step): every per-token array
+Position convention (shared with rl_jax.trainer.train_step and rl_jax.model.head, which
+computes the token log-probs and entropy): every per-token array
 `x_bt` is indexed by the *predicting* position, so `x_bt[:, t]` concerns token
 `tokens_bt[:, t + 1]`, whose distribution the model emits at position t. The last
 position predicts nothing and is always masked out.
@@ -61,26 +62,6 @@ def group_advantages(*, rewards_ng: np.ndarray, std_normalize: bool,
   zero_var_n = r_ng.max(axis=1) == r_ng.min(axis=1)
   adv_ng = np.where(zero_var_n[:, None], 0.0, centred_ng).astype(np.float32)
   return adv_ng, int(zero_var_n.sum())
-
-
-def token_logprobs(*, logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
-  """logp_bt[:, t] = log softmax(logits_btv[:, t])[tokens_bt[:, t + 1]]; last column 0.
-
-  Computed as logit - logsumexp(logits) in float32 to avoid materialising a
-  second [b, t, v] log-softmax array.
-  """
-  logits_btv = logits_btv.astype(jnp.float32)
-  next_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], axis=1)
-  picked_bt = jnp.take_along_axis(logits_btv, next_bt[..., None], axis=-1)[..., 0]
-  logp_bt = picked_bt - jax.nn.logsumexp(logits_btv, axis=-1)
-  return logp_bt.at[:, -1].set(0.0)
-
-
-def token_entropy(*, logits_btv: jax.Array) -> jax.Array:
-  """H_bt = logsumexp(z) - sum_v softmax(z)_v z_v, the entropy of each next-token distribution."""
-  z_btv = logits_btv.astype(jnp.float32)
-  lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
-  return lse_bt - jnp.sum(jax.nn.softmax(z_btv, axis=-1) * z_btv, axis=-1)
 
 
 def loss_weights(*, mask_bt: jax.Array, loss_agg: str, max_len: int,
@@ -236,3 +217,19 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
       ratio_bt=jnp.where(mask_bt, r_bt, jnp.nan),
   )
   return loss, stats
+
+
+def logprob_mismatch(*, prox_logp_bt, behavior_logp_bt, mask_bt, versions_bt,
+                     policy_version) -> dict[str, jax.Array]:
+  """Train/inference mismatch on the tokens the sampler drew with the trainer's params.
+
+  With on_bt = mask_bt & (versions_bt == policy_version) and
+  gap_bt = |logp_prox_bt - mu_bt| (trainer vs sampler log-prob of the same token under
+  the same weights, so only numerics differ: dtype, kernels, batch shapes):
+  mismatch_sum = sum over on_bt of gap_bt, mismatch_max = max over on_bt (0 if none),
+  mismatch_tokens = #on_bt.
+  """
+  on_bt = mask_bt & (versions_bt == policy_version)
+  gap_bt = jnp.where(on_bt, jnp.abs(prox_logp_bt - behavior_logp_bt), 0.0)
+  return dict(mismatch_sum=gap_bt.sum(), mismatch_max=gap_bt.max(),
+              mismatch_tokens=on_bt.sum().astype(jnp.float32))

@@ -27,6 +27,12 @@ Update. `Trainer.step` is one jitted call with donated state:
 Minibatch i takes rows i, i + n, i + 2n, ...: with rows sharded in contiguous blocks
 over (data, fsdp) this split is a local reshape, no data moves between devices.
 
+Log-probs. Every forward (loss, pi_prox, pi_ref, SFT) takes the model's final hidden
+states and runs the vocabulary projection in chunks of trainer.logprob_chunk_len
+positions under remat (rl_jax.model.head), so a [b, t, v] float32 array never exists.
+The step also reports the train/inference mismatch (`grpo.logprob_mismatch`):
+|pi_prox - mu| on the tokens the sampler drew with the very params the step starts from.
+
 Supervised warm-up (`sft_step`) uses the same accumulation with token-mean
 cross-entropy on completion tokens and its own optimizer (constant
 `sft_learning_rate`, the trainer's b1 / b2 / weight decay / clip). Its state comes
@@ -36,6 +42,7 @@ RL with fresh Adam moments (and, when kl_beta > 0, the warmed-up params as refer
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -51,7 +58,7 @@ from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer.buckets import pick_bucket
 from rl_jax.types import Group
 
-GRPO_KEYS = ("tokens_bt", "mask_bt", "behavior_logprobs_bt", "advantages_b")
+GRPO_KEYS = ("tokens_bt", "mask_bt", "behavior_logprobs_bt", "advantages_b", "versions_bt")
 SFT_KEYS = ("tokens_bt", "mask_bt")
 
 
@@ -219,6 +226,7 @@ class Trainer:
           f"trainer.micro_batch_size ({self.micro_batch_size}) must be a multiple of the "
           f"trainer's data-parallel size data*fsdp = {self.dp}")
     self.loss_norm_len = int(loss_norm_len or max(trainer_cfg.length_buckets))
+    self.logprob_chunk_len = int(trainer_cfg.logprob_chunk_len)
     self.compute_dtype = jnp.dtype(model_cfg.dtype)
     self._traces = {"init": 0, "step": 0, "sft_step": 0, "logprobs": 0, "loss_and_grad": 0}
 
@@ -261,7 +269,7 @@ class Trainer:
         lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(self.compute_dtype)), p),
         in_shardings=(self.param_shardings,), out_shardings=self.param_shardings)
     self._step = jax.jit(
-        self._train_step, in_shardings=(self.state_shardings, grpo_sh, ref_sh),
+        self._train_step, in_shardings=(self.state_shardings, grpo_sh, ref_sh, self.replicated),
         out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
     self._sft_step = jax.jit(
         self._sft_step_fn, in_shardings=(self.sft_state_shardings, sft_sh),
@@ -345,17 +353,20 @@ class Trainer:
     """Supervised warm-up state (its own optimizer, constant sft_learning_rate)."""
     return self._init("sft", params, rng)
 
-  def _forward(self, params, tokens_bt):
+  def _token_stats(self, params, tokens_bt) -> model.TokenStats:
+    """Log-probs, entropy and greedy hits of tokens_bt; the lm head runs in chunks of
+    trainer.logprob_chunk_len positions, so [b, t, v] logits never exist."""
     # Casting before the forward makes FSDP gather compute-dtype (e.g. bf16) shards.
     params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-    return model.apply(self.model_cfg, params, tokens_bt)
+    x_bte = model.hidden_states(self.model_cfg, params, tokens_bt)
+    return model.token_stats(self.model_cfg, params, x_bte, tokens_bt,
+                             chunk_len=self.logprob_chunk_len)
 
   def _chunked_logprobs(self, params, tokens_bt):
     """Log-probs of a whole batch without gradient, one micro-batch at a time."""
     rows = self.micro_batch_size or tokens_bt.shape[0]
     chunks = self._split(tokens_bt, tokens_bt.shape[0] // rows)
-    logp = jax.lax.map(lambda tok: grpo.token_logprobs(
-        logits_btv=self._forward(params, tok), tokens_bt=tok), chunks)
+    logp = jax.lax.map(lambda tok: self._token_stats(params, tok).logp_bt, chunks)
     return jax.lax.stop_gradient(_merge_rows(logp))
 
   def _accumulate(self, params, mb, loss_fn):
@@ -383,25 +394,30 @@ class Trainer:
     update_norm = jnp.where(finite, _global_norm(updates), 0.0)
     return params, opt_state, finite, grad_norm, update_norm
 
-  def _grpo_micro_loss(self, params, mc):
+  def _grpo_micro_loss(self, params, mc, policy_version):
     c = self.cfg
-    logits_btv = self._forward(params, mc["tokens_bt"])
-    logp_bt = grpo.token_logprobs(logits_btv=logits_btv, tokens_bt=mc["tokens_bt"])
-    entropy_bt = grpo.token_entropy(logits_btv=jax.lax.stop_gradient(logits_btv))
+    head_out = self._token_stats(params, mc["tokens_bt"])
+    logp_bt = head_out.logp_bt
+    prox_bt = mc.get("prox_bt", logp_bt)
     loss, stats = grpo.grpo_loss(
-        logp_bt=logp_bt, prox_logp_bt=mc.get("prox_bt", logp_bt),
+        logp_bt=logp_bt, prox_logp_bt=prox_bt,
         behavior_logp_bt=mc["behavior_logprobs_bt"], ref_logp_bt=mc.get("ref_bt"),
         adv_b=mc["advantages_b"], mask_bt=mc["mask_bt"], weights_bt=mc["weights_bt"],
         eps_low=float(c.eps_low), eps_high=float(c.eps_high), tis_cap=float(c.tis_cap),
         ratio_level=c.ratio_level, kl_beta=float(c.kl_beta), kl_estimator=c.kl_estimator)
-    stats["entropy"] = grpo.masked_sum(x_bt=entropy_bt, mask_bt=mc["mask_bt"])
+    stats["entropy"] = grpo.masked_sum(x_bt=head_out.entropy_bt, mask_bt=mc["mask_bt"])
+    stats.update(grpo.logprob_mismatch(
+        prox_logp_bt=jax.lax.stop_gradient(prox_bt),
+        behavior_logp_bt=mc["behavior_logprobs_bt"], mask_bt=mc["mask_bt"],
+        versions_bt=mc["versions_bt"], policy_version=policy_version))
     return loss, stats
 
-  def _minibatch_grads(self, params, mb):
+  def _minibatch_grads(self, params, mb, policy_version):
     """GRPO loss, stats and gradient of one minibatch, aggregated over all its rows."""
     mb = dict(mb, weights_bt=grpo.loss_weights(
         mask_bt=mb["mask_bt"], loss_agg=self.cfg.loss_agg, max_len=self.loss_norm_len))
-    return self._accumulate(params, mb, self._grpo_micro_loss)
+    return self._accumulate(
+        params, mb, functools.partial(self._grpo_micro_loss, policy_version=policy_version))
 
   def _loss_and_grad_fn(self, params, batch, prox_bt, ref_params):
     """GRPO loss of the whole batch with a given pi_prox, and its gradient."""
@@ -409,12 +425,13 @@ class Trainer:
     data = dict(batch, prox_bt=prox_bt)
     if self.cfg.kl_beta > 0:
       data["ref_bt"] = self._chunked_logprobs(ref_params, batch["tokens_bt"])
-    grads, loss, _ = self._minibatch_grads(params, data)
+    grads, loss, _ = self._minibatch_grads(params, data, policy_version=-1)
     return loss, grads
 
-  def _train_step(self, state: TrainState, batch, ref_params):
+  def _train_step(self, state: TrainState, batch, ref_params, policy_version):
     """num_minibatches GRPO updates (module docstring); metrics are token means over the
-    whole batch except loss / pg_loss / grad_norm / update_norm (means over minibatches)."""
+    whole batch except loss / pg_loss / grad_norm / update_norm (means over minibatches)
+    and logprob_mismatch_max (a max)."""
     self._traces["step"] += 1
     nm = self.num_minibatches
     data = dict(batch)
@@ -428,7 +445,7 @@ class Trainer:
 
     def update(carry, mb):
       params, opt_state, skipped = carry
-      grads, loss, stats = self._minibatch_grads(params, mb)
+      grads, loss, stats = self._minibatch_grads(params, mb, policy_version)
       params, opt_state, finite, grad_norm, update_norm = self._apply_update(
           self.optimizer, params, opt_state, grads, loss)
       skipped = skipped + (~finite).astype(jnp.int32)
@@ -437,7 +454,7 @@ class Trainer:
     (params, opt_state, skipped), (loss_n, stats, grad_norm_n, update_norm_n) = jax.lax.scan(
         update, (state.params, state.opt_state, state.skipped), minibatches)
     ratios = stats.pop("ratio_bt").reshape(-1)
-    sums = {k: v.sum() for k, v in stats.items()}
+    sums = {k: v.max() if k.endswith("_max") else v.sum() for k, v in stats.items()}
     tokens = jnp.maximum(sums["tokens"], 1.0)
     ratio_p = jnp.nanquantile(ratios, jnp.array([0.01, 0.5, 0.99]))
     metrics = dict(
@@ -449,6 +466,9 @@ class Trainer:
         tis_weight_mean=sums["tis_weight"] / tokens,
         tis_truncated_frac=sums["tis_truncated"] / tokens,
         behavior_prox_logp_gap=sums["prox_gap"] / tokens,
+        logprob_mismatch_mean=sums["mismatch_sum"] / jnp.maximum(sums["mismatch_tokens"], 1.0),
+        logprob_mismatch_max=sums["mismatch_max"],
+        logprob_mismatch_tokens=sums["mismatch_tokens"],
         grad_norm=grad_norm_n.mean(), update_norm=update_norm_n.mean(),
         learning_rate=self.schedule(applied_before),
         tokens=sums["tokens"], skipped_nonfinite=(skipped - state.skipped).astype(jnp.float32),
@@ -458,11 +478,9 @@ class Trainer:
     return new_state, metrics
 
   def _sft_micro_loss(self, params, mc):
-    logits_btv = self._forward(params, mc["tokens_bt"])
-    logp_bt = grpo.token_logprobs(logits_btv=logits_btv, tokens_bt=mc["tokens_bt"])
-    loss = -grpo.masked_sum(x_bt=mc["weights_bt"] * logp_bt, mask_bt=mc["mask_bt"])
-    next_bt = jnp.concatenate([mc["tokens_bt"][:, 1:], mc["tokens_bt"][:, -1:]], axis=1)
-    hit_bt = (jnp.argmax(logits_btv, axis=-1) == next_bt).astype(jnp.float32)
+    head_out = self._token_stats(params, mc["tokens_bt"])
+    loss = -grpo.masked_sum(x_bt=mc["weights_bt"] * head_out.logp_bt, mask_bt=mc["mask_bt"])
+    hit_bt = head_out.hit_bt.astype(jnp.float32)
     return loss, dict(correct=grpo.masked_sum(x_bt=hit_bt, mask_bt=mc["mask_bt"]),
                       tokens=grpo.masked_sum(x_bt=jnp.ones_like(hit_bt), mask_bt=mc["mask_bt"]))
 
@@ -507,15 +525,23 @@ class Trainer:
       raise ValueError("trainer.kl_beta > 0 needs reference params: call init_state first")
     return self.ref_params
 
-  def step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, float]]:
+  def step(self, state: TrainState, batch: TrainBatch, *, policy_version: int = -1
+           ) -> tuple[TrainState, dict[str, float]]:
     """One GRPO step (num_minibatches optimizer updates). `state` is donated."""
-    state, pending = self.dispatch_step(state, batch)
+    state, pending = self.dispatch_step(state, batch, policy_version=policy_version)
     return state, pending()
 
-  def dispatch_step(self, state: TrainState, batch: TrainBatch):
+  def dispatch_step(self, state: TrainState, batch: TrainBatch, *, policy_version: int = -1):
     """Launches one GRPO step without waiting for it: (new state, a function that
-    blocks and returns the metrics as floats). `state` is donated."""
-    state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS), self._reference())
+    blocks and returns the metrics as floats). `state` is donated.
+
+    `policy_version` is the version of state.params (the weights the sampler had when
+    it emitted tokens of that version): logprob_mismatch_* compare those tokens'
+    behaviour log-probs with the trainer's own at the same params (-1: no such tokens).
+    """
+    version = jax.device_put(np.int32(policy_version), self.replicated)
+    state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS), self._reference(),
+                                version)
     extra = dict(zero_var_groups=float(batch.zero_var_groups), seq_len=float(batch.seq_len),
                  rollouts=float(batch.num_rollouts))
 
