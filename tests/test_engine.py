@@ -76,7 +76,8 @@ def programs(engine):
   """Compiled programs per jitted engine operation. jax.jit of a module-level function
   (e.g. engine._insert) shares its compilation cache across Engine instances, so a
   test compares these before and after its own calls, never as absolute counts."""
-  return {"generate": engine._generate[engine.max_concurrent_decodes]._cache_size(),
+  full = engine.generate_program(engine.max_concurrent_decodes, engine.pages_per_seq)
+  return {"generate": full._cache_size(),
           "insert": engine._insert._cache_size(), "prefill": engine._prefill._cache_size()}
 
 
@@ -264,17 +265,17 @@ def test_sharded_meshes_and_multistep_match_single_device(engine, params):
     eng = make_engine(**kw)
     p = eng.load_params(params)
     if kw.get("mesh_shape") == (1, 1, 2):
-      spec = eng.state_shardings.k_pages_lnpkd.spec
-      assert tuple(spec) == (None, None, None, "tensor", None)
+      spec = eng.state_shardings.k_pages[0].spec
+      assert tuple(spec) == ("tensor", None, None, None)
       assert p["layers"]["k"].sharding.spec[2] == "tensor"
     if kw.get("mesh_shape") == (2, 1, 1):  # slots split over data, pools replicated
       assert tuple(eng.state_shardings.page_table_bm.spec) == ("data", None)
-      assert tuple(eng.state_shardings.k_pages_lnpkd.spec) == (None,) * 5
+      assert tuple(eng.state_shardings.k_pages[0].spec) == (None,) * 4
     state = eng.init_decode_state()
     alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
     for slot, prompt in enumerate(PROMPTS):
       state, _ = start(eng, p, state, alloc, slot, prompt)
     state, got, got_lp, _ = decode(eng, p, state, 6)
-    assert state.k_pages_lnpkd.sharding == eng.state_shardings.k_pages_lnpkd
+    assert state.k_pages[0].sharding == eng.state_shardings.k_pages[0]
     np.testing.assert_array_equal(got, want, err_msg=str(kw))
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4, err_msg=str(kw))

@@ -153,9 +153,13 @@ def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
   # At most one new program per slot bucket (busy sequences are compacted into the lowest
   # slots), the 1-slot bucket among those used, and at most one new insert program
   # (none when another engine of the same shapes and shardings compiled it).
+  # Programs are per (slot bucket, page-width bucket): bounded by their product.
   gen_after = {k: f._cache_size() for k, f in engine._generate.items()}
-  assert all(gen_after[k] <= gen_before[k] + 1 for k in gen_after), (gen_before, gen_after)
-  assert gen_after[1] >= 1
+  assert all(gen_after[k] <= gen_before.get(k, 0) + 1 for k in gen_after), (gen_before, gen_after)
+  assert len(gen_after) <= len(engine.slot_buckets) * len(engine.page_buckets)
+  assert any(k[0] == 1 and n >= 1 for k, n in gen_after.items())
+  # Short sequences ran with fewer page-table columns than the maximum.
+  assert any(k[1] < engine.pages_per_seq for k in gen_after), gen_after
   assert 1 <= engine._insert._cache_size() <= insert_before + 1
 
 
@@ -319,7 +323,9 @@ def test_pages_run_out_admission_waits_without_corruption(engine, params, stop_i
   for key, r in roomy.items():
     np.testing.assert_array_equal(tight[key].completion_tokens, r.completion_tokens,
                                   err_msg=str(key))
-    np.testing.assert_allclose(tight[key].behavior_logprobs, r.behavior_logprobs, atol=1e-5)
+    # Batches of other slots and page widths differ between the runs, which changes the
+    # order of float reductions (not the math): the recompute tolerance applies.
+    np.testing.assert_allclose(tight[key].behavior_logprobs, r.behavior_logprobs, atol=1e-4)
   assert gen.allocator.num_used == 0 and not gen.allocator.refcounts().any()
   with pytest.raises(ValueError, match="KV pages"):
     gen.add_group(99, PROMPTS[3], 4, seed=0)

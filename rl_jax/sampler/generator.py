@@ -77,7 +77,9 @@ class _Seq:
   slot: int
   pages: list
   length: int  # tokens in the cache
-  cache_limit: int  # the cache never holds more (the last sampled token is never cached)
+  cache_limit: int  # the cache never holds more: cached prompt + max_new (every decode
+  # input is cached, the last sampled token is not, and the first input is the last
+  # prompt token)
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
@@ -282,7 +284,11 @@ class Generator:
     if self.num_active:
       version = self._version
       num_slots = self._compact()
-      self._state, out = self.engine.generate(self._params, self._state, num_slots=num_slots)
+      # Attention reads only the page-table columns the longest busy sequence reaches.
+      width = self.engine.page_bucket(max(self._call_positions(s) for s in self._slots
+                                          if s is not None))
+      self._state, out = self.engine.generate(self._params, self._state,
+                                              num_slots=num_slots, num_pages=width)
       self.generate_calls += 1
       finished = self._consume(jax.device_get(out), version)
     self.busy_s += time.perf_counter() - t0
@@ -313,7 +319,7 @@ class Generator:
       if not g.waiting:
         continue
       cached = g.prompt.shape[0] - 1
-      first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens - 1),
+      first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens),
                                 eng.page_size) - g.num_full
       if g.prefix_pages is None:
         if not admitting:
@@ -331,7 +337,7 @@ class Generator:
         alloc.share(shared)
         seq = _Seq(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
                    pages=[int(p) for p in shared] + [int(p) for p in private],
-                   length=cached, cache_limit=cached + g.max_new_tokens - 1)
+                   length=cached, cache_limit=cached + g.max_new_tokens)
         self._slots[seq.slot] = seq
         g.running += 1
         reserve += self._pages_short(seq)
@@ -348,10 +354,14 @@ class Generator:
     for g in exhausted:
       self._release_prefix(g)
 
+  def _call_positions(self, seq: _Seq) -> int:
+    """Positions `seq`'s cache may hold after the next generate call."""
+    return min(seq.length + self.engine.steps_per_call, seq.cache_limit)
+
   def _pages_short(self, seq: _Seq) -> int:
     """Pages `seq` lacks for the tokens its next generate call may cache."""
-    target = min(seq.length + self.engine.steps_per_call, seq.cache_limit)
-    return max(pt.pages_for(target, self.engine.page_size) - len(seq.pages), 0)
+    need = pt.pages_for(self._call_positions(seq), self.engine.page_size)
+    return max(need - len(seq.pages), 0)
 
   def _prefill(self, g: _Group) -> None:
     eng = self.engine
@@ -418,6 +428,7 @@ class Generator:
     self.preemptions += 1
 
   def _consume(self, out: engine_lib.StepOutput, version: int) -> list[Rollout]:
+    """Append each busy slot's tokens of this call (one slice per slot, not per token)."""
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
@@ -426,21 +437,20 @@ class Generator:
       # Host and device disagree about which slots decode: fail now, not spin forever.
       raise RuntimeError(f"decode slots {busy} are busy on the host but the device "
                          f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
-    for s in range(valid_sb.shape[0]):
-      for b in np.flatnonzero(valid_sb[s]):
-        seq = self._slots[b]
-        if seq is None:
-          continue
-        if not seq.tokens:
-          seq.first_token = now
-        seq.tokens.append(int(out.tokens_sb[s, b]))
-        seq.logprobs.append(float(out.logprobs_sb[s, b]))
-        seq.versions.append(version)
-        seq.length += 1
-        self.tokens_generated += 1
-        reason = _REASONS.get(int(out.finish_sb[s, b]))
-        if reason is not None:
-          finished.append(self._end(seq, reason, now))
+    # A slot decodes a prefix of the call's steps: valid until it finishes.
+    counts_b = valid_sb.sum(axis=0)
+    for b in busy:
+      seq, n = self._slots[b], int(counts_b[b])
+      if not seq.tokens:
+        seq.first_token = now
+      seq.tokens.extend(out.tokens_sb[:n, b].tolist())
+      seq.logprobs.extend(out.logprobs_sb[:n, b].tolist())
+      seq.versions.extend([version] * n)
+      seq.length += n
+      self.tokens_generated += n
+      reason = _REASONS.get(int(out.finish_sb[n - 1, b]))
+      if reason is not None:
+        finished.append(self._end(seq, reason, now))
     return finished
 
   def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
