@@ -22,10 +22,10 @@ PROMPTS = [np.array([1, 5, 6, 7, 8]), np.array([1]), np.array([1, 9, 10, 11]),
 SAMPLING = E.Sampling(temperature=0.8, top_k=20, top_p=0.9)
 
 
-def make_engine(num_pages, stop_ids):
+def make_engine(num_pages, stop_ids, **kw):
   return E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
                   max_concurrent_decodes=4, page_size=PAGE, num_pages=num_pages,
-                  max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids)
+                  max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids, **kw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +117,22 @@ def engine(stop_id):
   return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id))
 
 
-def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
+@pytest.fixture(scope="module")
+def scan_engine(stop_id):
+  """Layers in lax.scan over stacked pools, three steps per call."""
+  return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id), layers="scan",
+                     steps_per_call=3)
+
+
+@pytest.fixture(params=["unrolled", "scan"])
+def any_engine(request, engine, scan_engine):
+  eng = engine if request.param == "unrolled" else scan_engine
+  assert eng.layers == request.param
+  return eng
+
+
+def test_greedy_matches_recompute_and_frees_every_page(any_engine, params, stop_id):
+  engine = any_engine
   # jax.jit of a module-level function (engine._insert) shares its compilation cache
   # across Engine instances: count the programs this test adds, not absolute sizes.
   gen_before = {k: f._cache_size() for k, f in engine._generate.items()}
@@ -163,7 +178,8 @@ def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
   assert 1 <= engine._insert._cache_size() <= insert_before + 1
 
 
-def test_groups_share_prompt_pages_and_logprobs_match_recompute(engine, params):
+def test_groups_share_prompt_pages_and_logprobs_match_recompute(any_engine, params):
+  engine = any_engine
   gen = G.Generator(engine, params, sampling=SAMPLING)
   groups = {10: PROMPTS[4], 11: PROMPTS[3], 12: PROMPTS[6]}
   for gid, p in groups.items():
@@ -221,23 +237,26 @@ def _new_params(params):
   return new
 
 
-def test_inflight_weight_update_mixed_versions(engine, params):
+def test_inflight_weight_update_mixed_versions(any_engine, params):
+  engine = any_engine
   new = _new_params(params)
   gen = G.Generator(engine, params, inflight_weight_updates=True)
   prompt = PROMPTS[2]
   gen.add_group(0, prompt, 1, seed=0, sampling=E.Sampling.greedy(), stop_on_eos=False)
   out = []
-  for _ in range(4):
+  while gen.tokens_generated < 4:
     out += gen.step()
+  assert gen.tokens_generated == 4 or engine.steps_per_call > 1
+  switch = gen.tokens_generated
   publisher = threading.Thread(target=gen.update_params, args=(new, 7))
   publisher.start()
   publisher.join()
   assert gen.version == 0  # swapped at the top of the next step, not by the publisher
   out += run(gen)
   (r,) = out
-  assert r.token_versions.tolist() == [0] * 4 + [7] * (MAX_NEW - 4)
+  assert r.token_versions.tolist() == [0] * switch + [7] * (MAX_NEW - switch)
   assert r.mixed_versions and gen.version == 7
-  ref_t, ref_lp = reference_greedy(lambda i: params if i < 4 else new, [prompt], MAX_NEW)
+  ref_t, ref_lp = reference_greedy(lambda i: params if i < switch else new, [prompt], MAX_NEW)
   np.testing.assert_array_equal(r.completion_tokens, ref_t[0])
   np.testing.assert_allclose(r.behavior_logprobs, ref_lp[0], atol=1e-4)
   old_only, _ = reference_greedy(lambda i: params, [prompt], MAX_NEW)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# "auto" (sampler.dtype) is bfloat16 on the GPUs and TPUs plans are made for.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
