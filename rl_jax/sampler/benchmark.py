@@ -175,7 +175,8 @@ def run_paged(requests, *, engine, params):
     warm.step()
   state = engine.init_decode_state()
   for k in engine.slot_buckets:  # every generate variant the run may use
-    state, out = engine.generate(params, state, num_slots=k)
+    for w in engine.page_buckets:
+      state, out = engine.generate(params, state, num_slots=k, num_pages=w)
   jax.block_until_ready(out)
   gen = generator_lib.Generator(engine, params)
   for i, (p, n) in enumerate(requests):
