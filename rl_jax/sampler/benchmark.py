@@ -195,7 +195,7 @@ def run_paged(requests, *, engine, params):
 def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac: float,
                           tail_mult: int, batch: int, slots: int, page_size: int,
                           steps_per_call: int, recompute_requests: int = 0,
-                          seed: int = 0) -> dict:
+                          seed: int = 0, layers: str = "auto") -> dict:
   """Runs the three methods on one workload; returns a flat dict of results.
 
   recompute_requests > 0 runs the (quadratic-cost) recompute method on only the first
@@ -213,7 +213,7 @@ def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac:
   engine = engine_lib.Engine(
       model_cfg, mesh=mesh, max_concurrent_decodes=slots, page_size=page_size,
       num_pages=num_pages, max_prefill_length=max_prompt, max_new_tokens=max_new,
-      steps_per_call=steps_per_call)
+      steps_per_call=steps_per_call, layers=layers)
   params = engine.load_params(rng=jax.random.key(seed))
 
   rows = {}
@@ -233,7 +233,8 @@ def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac:
              median_len=int(np.median(lengths)), max_len=int(lengths.max()),
              tail_frac=float(np.mean(lengths == max_new)), static_batch=batch,
              paged_slots=slots, page_size=page_size, kv_pages_budget=num_pages - 1,
-             steps_per_call=steps_per_call, paged_preemptions=preempt,
+             steps_per_call=steps_per_call, paged_layers=engine.layers,
+             paged_dtype=engine.model_cfg.dtype, paged_preemptions=preempt,
              recompute_requests=len(sub))
   for name, r in rows.items():
     lat = np.asarray(r["done"])
