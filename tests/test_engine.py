@@ -369,3 +369,21 @@ def test_pallas_tpu_paged_attention_matches_jnp_in_interpret_mode():
   np.testing.assert_allclose(np.asarray(want), ref, atol=1e-5)
   # The kernel's exp / reciprocal are TPU approximations even when interpreted.
   np.testing.assert_allclose(np.asarray(got), ref, atol=2e-2)
+
+
+def test_prefill_into_pages_equals_one_prefill_per_prompt(engine, params):
+  """One batched prefill call writes the same K/V into every prompt's pages as a
+  prefill + write_prefix per prompt (the null page, which absorbs padding, aside)."""
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  pages = [alloc.allocate(pt.pages_for(len(p) - 1, PAGE)) for p in PROMPTS]
+  one_by_one = engine.init_decode_state()
+  for prompt, pg in zip(PROMPTS, pages):
+    padded, n = engine.pad_tokens(prompt)
+    prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n)
+    one_by_one = engine.write_prefix(prefix, one_by_one, pages=pg)
+  batched = engine.prefill_into_pages(params, engine.init_decode_state(), PROMPTS, pages)
+  for a, b in zip(jax.tree.leaves((one_by_one.k_pages, one_by_one.v_pages)),
+                  jax.tree.leaves((batched.k_pages, batched.v_pages))):
+    a, b = np.asarray(a)[..., 1:, :, :], np.asarray(b)[..., 1:, :, :]
+    assert np.abs(a).sum() > 0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # batch shape changes rounding

@@ -135,15 +135,22 @@ def _move_slots(state, src_i, dst_i):
   return state._replace(**moved)
 
 
-def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
-  t = padded_tokens_t.shape[0]
-  positions_1t = jnp.arange(t, dtype=jnp.int32)[None]
+def _prompt_kv(params, tokens_nt, *, model_cfg, kv_dtype):
+  """K/V of n right-padded prompts, each [l, k, n, t, d] (causal: padding after a
+  prompt does not change its positions)."""
+  positions_nt = jnp.broadcast_to(jnp.arange(tokens_nt.shape[1], dtype=jnp.int32),
+                                  tokens_nt.shape)
   # Logits are not returned, so XLA drops the vocabulary projection.
-  _, (k_l1tkd, v_l1tkd) = model.forward(model_cfg, params, padded_tokens_t[None],
-                                        positions_1t, attn_fn=_prefill_attention)
-  k_lktd = k_l1tkd[:, 0].transpose(0, 2, 1, 3).astype(kv_dtype)
-  v_lktd = v_l1tkd[:, 0].transpose(0, 2, 1, 3).astype(kv_dtype)
-  return Prefix(k_lktd, v_lktd,
+  _, (k_lntkd, v_lntkd) = model.forward(model_cfg, params, tokens_nt, positions_nt,
+                                        attn_fn=_prefill_attention)
+  return (k_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype),
+          v_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype))
+
+
+def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
+  k_lkntd, v_lkntd = _prompt_kv(params, padded_tokens_t[None], model_cfg=model_cfg,
+                                kv_dtype=kv_dtype)
+  return Prefix(k_lkntd[:, :, 0], v_lkntd[:, :, 0],
                 padded_tokens_t[true_length - 1].astype(jnp.int32),
                 jnp.asarray(true_length, jnp.int32))
 
@@ -153,21 +160,35 @@ def _layer_values(pools, x_l):
   return tuple(x_l[i] for i in range(len(pools))) if isinstance(pools, tuple) else x_l
 
 
-def _write_prefix(state, prefix, pages_m, *, page_size):
-  """Scatter prompt positions 0..true_length-2 into pages_m (page j holds positions
-  j*p .. j*p+p-1); the rest of the bucket goes to the null page."""
-  t = prefix.k_lktd.shape[2]
-  m = pages_m.shape[0]
+def _scatter_prompts(state, k_lkntd, v_lkntd, true_length_n, pages_nm, *, page_size):
+  """Scatter positions 0..true_length-2 of each prompt n into its pages pages_nm[n]
+  (page j holds positions j*p .. j*p+p-1); the rest goes to the null page."""
+  t = k_lkntd.shape[3]
+  m = pages_nm.shape[1]
   pos_t = jnp.arange(t)
-  page_t = jnp.where(pos_t < prefix.true_length - 1,
-                     pages_m[jnp.minimum(pos_t // page_size, m - 1)], pt.NULL_PAGE)
+  page_nt = jnp.where(pos_t[None] < true_length_n[:, None] - 1,
+                      pages_nm[:, jnp.minimum(pos_t // page_size, m - 1)], pt.NULL_PAGE)
+  slot_nt = jnp.broadcast_to(pos_t % page_size, page_nt.shape)
 
-  def write(pool, x_ktd):  # pool [..., n, p, d], x [..., t, d]
-    return pool.at[..., page_t, pos_t % page_size, :].set(x_ktd)
+  def write(pool, x_kntd):  # pool [..., n_pool, p, d], x [..., n, t, d]
+    return pool.at[..., page_nt, slot_nt, :].set(x_kntd)
 
   return state._replace(
-      k_pages=jax.tree.map(write, state.k_pages, _layer_values(state.k_pages, prefix.k_lktd)),
-      v_pages=jax.tree.map(write, state.v_pages, _layer_values(state.v_pages, prefix.v_lktd)))
+      k_pages=jax.tree.map(write, state.k_pages, _layer_values(state.k_pages, k_lkntd)),
+      v_pages=jax.tree.map(write, state.v_pages, _layer_values(state.v_pages, v_lkntd)))
+
+
+def _write_prefix(state, prefix, pages_m, *, page_size):
+  return _scatter_prompts(state, prefix.k_lktd[:, :, None], prefix.v_lktd[:, :, None],
+                          prefix.true_length[None], pages_m[None], page_size=page_size)
+
+
+def _prefill_into_pages(params, state, tokens_nt, true_length_n, pages_nm, *, model_cfg,
+                        kv_dtype, page_size):
+  """Prefill n prompts and write their cached positions into their pages, one program."""
+  k_lkntd, v_lkntd = _prompt_kv(params, tokens_nt, model_cfg=model_cfg, kv_dtype=kv_dtype)
+  return _scatter_prompts(state, k_lkntd, v_lkntd, true_length_n, pages_nm,
+                          page_size=page_size)
 
 
 def _insert(state, ins: InsertBatch):
@@ -294,6 +315,11 @@ class Engine:
     self._write_prefix = jax.jit(
         functools.partial(_write_prefix, page_size=self.page_size),
         in_shardings=(st, self.prefix_shardings, rep), out_shardings=st, donate_argnums=(0,))
+    self._prefill_pages = jax.jit(
+        functools.partial(_prefill_into_pages, model_cfg=cfg, kv_dtype=self.kv_dtype,
+                          page_size=self.page_size),
+        in_shardings=(self.param_shardings, st, rep, rep, rep), out_shardings=st,
+        donate_argnums=(1,))
     self._insert = jax.jit(_insert, in_shardings=(st, ins_sh), out_shardings=st,
                            donate_argnums=(0,))
     self._free = jax.jit(_free_slots, in_shardings=(st, rep), out_shardings=st,
@@ -424,6 +450,25 @@ class Engine:
   def write_prefix(self, prefix: Prefix, decode_state: DecodeState, *, pages) -> DecodeState:
     """Write a prefix's cached positions into `pages` (one id per page of prompt)."""
     return self._write_prefix(decode_state, prefix, pt.page_table_row(pages, self.pages_per_seq))
+
+  def prefill_into_pages(self, params: Any, decode_state: DecodeState, prompts: Sequence,
+                         pages: Sequence) -> DecodeState:
+    """Prefill several prompts in one call and write each one's cached positions (all
+    but its last token) into its `pages`. The batch is padded to a power of two and
+    the prompts to the longest one's length bucket: one program per pair of buckets."""
+    if not prompts or len(prompts) != len(pages):
+      raise ValueError(f"need one page list per prompt, got {len(prompts)} and {len(pages)}")
+    padded = [self.pad_tokens(p) for p in prompts]
+    t = max(len(x) for x, _ in padded)
+    n = 1 << (len(padded) - 1).bit_length()
+    tokens_nt = np.full((n, t), self.model_cfg.pad_id, np.int32)
+    true_n = np.ones((n,), np.int32)
+    pages_nm = np.full((n, self.pages_per_seq), pt.NULL_PAGE, np.int32)
+    for i, ((x, length), pg) in enumerate(zip(padded, pages)):
+      tokens_nt[i, :len(x)] = x
+      true_n[i] = length
+      pages_nm[i] = pt.page_table_row(pg, self.pages_per_seq)
+    return self._prefill_pages(params, decode_state, tokens_nt, true_n, pages_nm)
 
   def insert_many(self, decode_state: DecodeState, entries: Sequence[dict]) -> DecodeState:
     """Start several sequences in one call.

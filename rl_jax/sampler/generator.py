@@ -5,7 +5,8 @@ Shape letters: s decode steps per generate call, b decode slots.
 One `step()` is one scheduling iteration:
   1. swap in weights published by `update_params` (see below);
   2. fill free slots: a group (one prompt, G samples) is prefilled once when its turn
-     comes and its samples are inserted as slots free up; the samples share the full
+     comes (all groups admitted in one iteration share one prefill call) and its
+     samples are inserted as slots free up; the samples share the full
      prompt pages and each gets a private copy of the partial last prompt page;
   3. give every running sequence the pages its next `steps_per_call` tokens need;
   4. run one generate call and hand finished sequences back as rl_jax.types.Rollout
@@ -311,7 +312,7 @@ class Generator:
     # its own first call fits beside them. Longer-term growth is not reserved: when the
     # pool runs dry, _grow_pages preempts the youngest group.
     reserve = sum(self._pages_short(s) for s in self._slots if s is not None)
-    inserts, exhausted = [], []
+    inserts, exhausted, prefills = [], [], []
     admitting = True
     for g in list(self._groups):
       if not free:
@@ -330,7 +331,7 @@ class Generator:
         if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
           admitting = False  # first come, first served for new prompts
           continue
-        self._prefill(g)
+        self._prefill(g, prefills)
       while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
@@ -348,6 +349,10 @@ class Generator:
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
       if not g.waiting:
         exhausted.append(g)
+    if prefills:  # before the inserts copy their template pages
+      self._state = eng.prefill_into_pages(self._params, self._state,
+                                           [g.prompt for g in prefills],
+                                           [g.prefix_pages for g in prefills])
     if inserts:
       self._state = eng.insert_many(self._state, inserts)
     # Only after the inserts above have read the template pages.
@@ -363,14 +368,11 @@ class Generator:
     need = pt.pages_for(self._call_positions(seq), self.engine.page_size)
     return max(need - len(seq.pages), 0)
 
-  def _prefill(self, g: _Group) -> None:
-    eng = self.engine
+  def _prefill(self, g: _Group, batch: list) -> None:
+    """Take the group's prompt pages; its prompt joins `batch`, prefilled in one call."""
     g.prefix_pages = self.allocator.allocate(g.num_full + g.partial)
-    if not g.prefix_pages.size:
-      return  # a one-token prompt caches nothing: its token is the first decode input
-    padded, n = eng.pad_tokens(g.prompt)
-    prefix = eng.prefill(params=self._params, padded_tokens=padded, true_length=n)
-    self._state = eng.write_prefix(prefix, self._state, pages=g.prefix_pages)
+    if g.prefix_pages.size:  # a one-token prompt caches nothing: its token is the first input
+      batch.append(g)
 
   def _release_prefix(self, g: _Group) -> None:
     if g.prefix_pages is not None:
