@@ -40,8 +40,10 @@ def test_suite_small_sections(tmp_path, capsys):
   assert res["errors"] == {}
   assert set(res["skipped"]) == {"aot", "prefill", "train", "e2e"}
   assert res["probes"]["copy_gbps"] > 0 and res["probes"]["matmul_tflops"] > 0
-  (tail,) = res["decode_tail"]
-  assert tail["long_slots"] == 1 and 0 < tail["pages_read_frac"] < 1
+  gather, ragged = res["decode_tail"]
+  assert gather["attention"] == "jnp" and ragged["attention"] == "ragged"
+  assert gather["long_slots"] == 1 and 0 < gather["pages_read_frac"] < 1
+  assert gather["pages_read_frac"] <= ragged["pages_read_frac"] <= 1
   (row,) = res["decode"]
   assert row["batch"] == 4 and row["tokens_per_s"] > 0
   assert 0 < row["roofline_frac"] <= 1.5

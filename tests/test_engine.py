@@ -294,22 +294,25 @@ def _started_state(eng, params, sampling):
 
 
 def test_scanned_and_unrolled_layers_give_identical_results(params):
+  """Also the "ragged" attention (live pages only) against the page-table gather."""
   sampling = E.Sampling(temperature=1.0, top_k=10, top_p=0.95)
   results = {}
-  for layers in ("unrolled", "scan"):
-    eng = make_engine(layers=layers, steps_per_call=2)
+  for layers, attention in (("unrolled", "jnp"), ("scan", "jnp"), ("unrolled", "ragged")):
+    eng = make_engine(layers=layers, steps_per_call=2, attention=attention)
     state = _started_state(eng, params, sampling)
-    if layers == "unrolled":
+    if layers == "unrolled" and attention == "jnp":
       assert isinstance(state.k_pages, tuple) and len(state.k_pages) == CFG.num_layers
       assert state.k_pages[0].shape == (CFG.num_kv_heads, eng.num_pages, PAGE, CFG.head_dim)
-    else:
+    elif layers == "scan":
       assert state.k_pages.shape == (CFG.num_layers, CFG.num_kv_heads, eng.num_pages, PAGE,
                                      CFG.head_dim)
     _, toks, lps, valid = decode(eng, params, state, 10)
     assert valid.all()
-    results[layers] = (toks, lps)
-  np.testing.assert_array_equal(results["unrolled"][0], results["scan"][0])
-  np.testing.assert_allclose(results["unrolled"][1], results["scan"][1], atol=1e-4)
+    results[layers, attention] = (toks, lps)
+  want = results["unrolled", "jnp"]
+  for key in (("scan", "jnp"), ("unrolled", "ragged")):
+    np.testing.assert_array_equal(results[key][0], want[0], err_msg=str(key))
+    np.testing.assert_allclose(results[key][1], want[1], atol=1e-4, err_msg=str(key))
 
 
 def test_page_width_buckets_read_fewer_pages_same_tokens(engine, params):

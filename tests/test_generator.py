@@ -124,10 +124,17 @@ def scan_engine(stop_id):
                      steps_per_call=3)
 
 
-@pytest.fixture(params=["unrolled", "scan"])
-def any_engine(request, engine, scan_engine):
-  eng = engine if request.param == "unrolled" else scan_engine
-  assert eng.layers == request.param
+@pytest.fixture(scope="module")
+def ragged_engine(stop_id):
+  """Attention over only the pages each busy sequence uses, two steps per call."""
+  return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id), attention="ragged",
+                     steps_per_call=2)
+
+
+@pytest.fixture(params=["unrolled", "scan", "ragged"])
+def any_engine(request, engine, scan_engine, ragged_engine):
+  eng = {"unrolled": engine, "scan": scan_engine, "ragged": ragged_engine}[request.param]
+  assert request.param in (eng.layers, eng.attention)
   return eng
 
 
@@ -168,13 +175,19 @@ def test_greedy_matches_recompute_and_frees_every_page(any_engine, params, stop_
   # At most one new program per slot bucket (busy sequences are compacted into the lowest
   # slots), the 1-slot bucket among those used, and at most one new insert program
   # (none when another engine of the same shapes and shardings compiled it).
-  # Programs are per (slot bucket, page-width bucket): bounded by their product.
+  # Programs are per (slot bucket, page-width bucket), or per (slot bucket, live-page
+  # bucket) with ragged attention: bounded by their product.
   gen_after = {k: f._cache_size() for k, f in engine._generate.items()}
   assert all(gen_after[k] <= gen_before.get(k, 0) + 1 for k in gen_after), (gen_before, gen_after)
-  assert len(gen_after) <= len(engine.slot_buckets) * len(engine.page_buckets)
+  ragged = engine.attention == "ragged"
+  widths = engine.live_buckets if ragged else engine.page_buckets
+  assert len(gen_after) <= len(engine.slot_buckets) * len(widths)
   assert any(k[0] == 1 and n >= 1 for k, n in gen_after.items())
-  # Short sequences ran with fewer page-table columns than the maximum.
-  assert any(k[1] < engine.pages_per_seq for k in gen_after), gen_after
+  # Short sequences read fewer pages than every slot's maximum.
+  if ragged:
+    assert any(k[2] < k[0] * engine.pages_per_seq for k in gen_after), gen_after
+  else:
+    assert any(k[1] < engine.pages_per_seq for k in gen_after), gen_after
   assert 1 <= engine._insert._cache_size() <= insert_before + 1
 
 

@@ -114,7 +114,8 @@ def sampler_params(model_cfg, mesh, dtype: str):
 
 
 def decode_engine(model_cfg, mesh, *, batch: int, ctx: int, page_size: int,
-                  steps_per_call: int, dtype: str) -> engine_lib.Engine:
+                  steps_per_call: int, dtype: str,
+                  attention: str = "auto") -> engine_lib.Engine:
   """An engine whose page table spans exactly `ctx` positions per slot."""
   if ctx % page_size:
     raise ValueError(f"--ctx ({ctx}) must be a multiple of --page-size ({page_size})")
@@ -122,7 +123,8 @@ def decode_engine(model_cfg, mesh, *, batch: int, ctx: int, page_size: int,
   return engine_lib.Engine(
       model_cfg, mesh=mesh, max_concurrent_decodes=batch, page_size=page_size,
       num_pages=1 + batch * (ctx // page_size), max_prefill_length=half,
-      max_new_tokens=ctx - half, dtype=dtype, steps_per_call=steps_per_call, stop_ids=())
+      max_new_tokens=ctx - half, dtype=dtype, steps_per_call=steps_per_call, stop_ids=(),
+      attention=attention)
 
 
 def decode(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
@@ -176,29 +178,34 @@ def _filled_state(engine, lengths):
 
 def decode_long_tail(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
                      steps_per_call: int, calls: int, dtype: str, copy_gbps: float | None,
-                     ref_gbps: float) -> dict:
+                     ref_gbps: float, attention: str = "auto") -> dict:
   engine = decode_engine(model_cfg, mesh, batch=batch, ctx=ctx, page_size=page_size,
-                         steps_per_call=steps_per_call, dtype=dtype)
+                         steps_per_call=steps_per_call, dtype=dtype, attention=attention)
   long_len = ctx - (calls + 1) * steps_per_call - 1
   lengths = np.full((batch,), max(ctx // 8, 1), np.int64)
   lengths[::8] = long_len  # one slot in eight near the maximum
   state = _filled_state(engine, lengths)
   width = engine.page_bucket(int(lengths.max()) + (calls + 1) * steps_per_call)
-  state, out = engine.generate(params, state, num_pages=width)
+  counts = [pt.pages_for(int(n) + steps_per_call * (calls + 1), page_size) for n in lengths]
+  live_pages = sum(counts)
+  # With ragged attention: the cells busy slots read (the generator passes the same).
+  live = (np.repeat(np.arange(batch), counts), np.concatenate([np.arange(c) for c in counts]))
+  state, out = engine.generate(params, state, num_pages=width, live=live)
   jax.block_until_ready(out)
   t0 = time.perf_counter()
   for _ in range(calls):
-    state, out = engine.generate(params, state, num_pages=width)
+    state, out = engine.generate(params, state, num_pages=width, live=live)
   jax.block_until_ready(out)
   step_s = (time.perf_counter() - t0) / (calls * steps_per_call)
   mean_len = float(lengths.mean()) + steps_per_call + (calls * steps_per_call - 1) / 2 + 1
-  live_pages = sum(pt.pages_for(int(n) + steps_per_call * (calls + 1), page_size)
-                   for n in lengths)
+  read = (next(u for u in engine.live_buckets if u >= live_pages)
+          if engine.attention == "ragged" else batch * width)
   weight_bytes = tree_bytes(params)
   bytes_step = weight_bytes + batch * mean_len * kv_bytes_per_token(model_cfg, dtype)
-  row = dict(batch=batch, ctx=ctx, short_len=int(lengths[1]) if batch > 1 else None,
+  row = dict(batch=batch, ctx=ctx, attention=engine.attention,
+             short_len=int(lengths[1]) if batch > 1 else None,
              long_len=long_len, long_slots=int((lengths == long_len).sum()),
-             page_width=width, pages_read_frac=live_pages / (batch * width),
+             page_width=width, pages_read_frac=live_pages / read,
              step_ms=1e3 * step_s, tokens_per_s=batch / step_s, bytes_per_step=int(bytes_step))
   if ref_gbps:
     row["roofline_frac_ref"] = bytes_step / (ref_gbps * 1e9) / step_s

@@ -76,8 +76,8 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     return [measure.decode_long_tail(
         model_cfg, weights, mesh, batch=b, ctx=sizes.ctx, page_size=sizes.page_size,
         steps_per_call=sizes.steps_per_call, calls=sizes.decode_calls, dtype=args.dtype,
-        copy_gbps=probes().get("copy_gbps"), ref_gbps=args.ref_gbps)
-            for b in sizes.decode_batches]
+        copy_gbps=probes().get("copy_gbps"), ref_gbps=args.ref_gbps, attention=attention)
+            for b in sizes.decode_batches for attention in ("auto", "ragged")]
 
   def prefill():
     return measure.prefill(model_cfg, params("prefill"), mesh, length=sizes.prefill_len,
@@ -218,7 +218,7 @@ def table_rows(res: dict) -> list[tuple]:
                  None, None, ""))
   for d in res.get("decode_tail") or []:
     tag = (f"B={d['batch']} {d['batch'] - d['long_slots']}x{d['short_len']}"
-           f"+{d['long_slots']}x{d['long_len']}")
+           f"+{d['long_slots']}x{d['long_len']} {d['attention']}")
     rows.append(("decode_tail", f"{tag} tokens/s", d["tokens_per_s"], None, None, ""))
     rows.append(("decode_tail", f"{tag} step ms", d["step_ms"], None, None, ""))
     rows.append(("decode_tail", f"{tag} roofline frac (live KV)", d.get("roofline_frac"),

@@ -174,10 +174,13 @@ def run_paged(requests, *, engine, params):
   while warm.num_active or warm.num_pending:
     warm.step()
   state = engine.init_decode_state()
-  for k in engine.slot_buckets:  # every generate variant the run may use
+  for k in engine.slot_buckets:  # every generate and batched-prefill variant the run may use
     for w in engine.page_buckets:
       state, out = engine.generate(params, state, num_slots=k, num_pages=w)
-  jax.block_until_ready(out)
+    for t in engine.prefill_buckets:  # prompts of t tokens, written to the null page
+      state = engine.prefill_into_pages(params, state, [np.ones((t,), np.int32)] * k,
+                                        [[]] * k)
+  jax.block_until_ready((state, out))
   gen = generator_lib.Generator(engine, params)
   for i, (p, n) in enumerate(requests):
     gen.add_group(i, p, 1, seed=i, max_new_tokens=n, stop_on_eos=False)

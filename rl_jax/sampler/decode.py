@@ -38,7 +38,7 @@ from rl_jax.model import transformer as tfm
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 LAYER_MODES = ("unrolled", "scan")
-ATTENTION_IMPLS = ("jnp", "pallas_tpu")
+ATTENTION_IMPLS = ("jnp", "pallas_tpu", "ragged")
 NULL_PAGE = 0  # absorbs the writes of idle slots (page_table.NULL_PAGE)
 
 
@@ -88,7 +88,7 @@ def resolve_attention(impl: str, backend: str | None = None) -> str:
   if impl == "auto":
     return "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "jnp"
   if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"sampler.attention must be auto, jnp or pallas_tpu, got {impl!r}")
+    raise ValueError(f"sampler.attention must be auto, jnp, pallas_tpu or ragged, got {impl!r}")
   return impl
 
 
@@ -126,10 +126,47 @@ def paged_attention_pallas_tpu(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw,
                          page_table_bw.astype(jnp.int32), pages_per_compute_block=block)
 
 
-_ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu}
+def ragged_attention_jnp(q_bhd, k_pages_knpd, v_pages_knpd, live_page_u, live_slot_u,
+                         live_col_u, kv_len_b):
+  """The same attention reading only the u live (slot, page) pairs of this call.
+
+  live_slot_u / live_col_u list, slot by slot, the page-table columns each busy slot
+  uses (padding: col -1); live_page_u are their page ids. Scores per page, then a
+  softmax per slot through segment max / sum over the pages of each slot, so KV traffic
+  is the live pages, not slots x width.
+  """
+  b, h, d = q_bhd.shape
+  kh, _, p, _ = k_pages_knpd.shape
+  q_ukgd = q_bhd.astype(k_pages_knpd.dtype).reshape(b, kh, h // kh, d)[live_slot_u]
+  k_kupd = k_pages_knpd[:, live_page_u]
+  v_kupd = v_pages_knpd[:, live_page_u]
+  scores_ukgp = jnp.einsum("ukgd,kupd->ukgp", q_ukgd, k_kupd,
+                           preferred_element_type=jnp.float32) * (d ** -0.5)
+  pos_up = live_col_u[:, None] * p + jnp.arange(p)[None]
+  live_up = (live_col_u[:, None] >= 0) & (pos_up < kv_len_b[live_slot_u][:, None])
+  scores_ukgp = jnp.where(live_up[:, None, None], scores_ukgp, jnp.finfo(jnp.float32).min)
+  max_bkg = jax.ops.segment_max(scores_ukgp.max(-1), live_slot_u, num_segments=b)
+  exp_ukgp = jnp.where(live_up[:, None, None],
+                       jnp.exp(scores_ukgp - max_bkg[live_slot_u][..., None]), 0.0)
+  sum_bkg = jax.ops.segment_sum(exp_ukgp.sum(-1), live_slot_u, num_segments=b)
+  out_ukgd = jnp.einsum("ukgp,kupd->ukgd", exp_ukgp.astype(v_kupd.dtype), v_kupd,
+                        preferred_element_type=jnp.float32)
+  out_bkgd = jax.ops.segment_sum(out_ukgd, live_slot_u, num_segments=b)
+  out_bkgd = out_bkgd / jnp.maximum(sum_bkg, jnp.finfo(jnp.float32).tiny)[..., None]
+  return out_bkgd.astype(v_kupd.dtype).reshape(b, h, d)
 
 
-def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, page_table_bw, kv_len_b,
+def _ragged(q_bhd, k_pages_knpd, v_pages_knpd, live, kv_len_b):
+  return ragged_attention_jnp(q_bhd, k_pages_knpd, v_pages_knpd, *live, kv_len_b)
+
+
+# attention(q_bhd, k_pages_knpd, v_pages_knpd, pages, kv_len_b) -> out_bhd, where pages is
+# the [b, w] page table, or (live_page_u, live_slot_u, live_col_u) for "ragged".
+_ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu,
+              "ragged": _ragged}
+
+
+def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, pages, kv_len_b,
                   write_page_b, write_slot_b):
   """attend(q, k, v) for model.layer_forward: writes k/v at (page, slot) of this layer's
   pool (a [k, n, p, d] array, or the stacked pool at index `layer`), then attends."""
@@ -145,16 +182,17 @@ def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, page_table_bw
       v_new = v_pages.at[layer, :, write_page_b, write_slot_b].set(v_bkd)
       k_read = lax.dynamic_index_in_dim(k_new, layer, keepdims=False)
       v_read = lax.dynamic_index_in_dim(v_new, layer, keepdims=False)
-    out_bhd = attention(q_b1hd[:, 0], k_read, v_read, page_table_bw, kv_len_b)
+    out_bhd = attention(q_b1hd[:, 0], k_read, v_read, pages, kv_len_b)
     return out_bhd[:, None], (k_new, v_new)
   return attend
 
 
-def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, page_table_bw,
+def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, pages,
                   write_page_b, layers: str, attention: str):
   """(logits_bv float32, k_pages, v_pages): one token per slot through every layer.
 
-  tokens_b sit at positions pos_b; their K/V go to (write_page_b, pos_b % p).
+  tokens_b sit at positions pos_b; their K/V go to (write_page_b, pos_b % p). `pages`
+  is what the attention reads: the [b, w] page table, or the live triple for "ragged".
   """
   dtype = jnp.dtype(model_cfg.dtype)
   p = (k_pages[0] if layers == "unrolled" else k_pages).shape[-2]
@@ -162,7 +200,7 @@ def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, page_
   cos_b1d, sin_b1d = tfm.rope_tables(pos_b[:, None], tfm.rope_inv_freq(model_cfg))
   cos_b1d, sin_b1d = cos_b1d.astype(dtype), sin_b1d.astype(dtype)
   attend_at = functools.partial(
-      _layer_attend, attention=_ATTENTION[attention], page_table_bw=page_table_bw,
+      _layer_attend, attention=_ATTENTION[attention], pages=pages,
       kv_len_b=pos_b + 1, write_page_b=write_page_b, write_slot_b=pos_b % p)
   if layers == "unrolled":
     k_list, v_list = list(k_pages), list(v_pages)
@@ -217,11 +255,13 @@ def _truncate(scaled_bv, top_k_b, top_p_b):
   return jnp.where(keep_orig_bv, scaled_bv, -jnp.inf)
 
 
-def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, attention):
+def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, attention,
+                live=None):
   """One token for every slot: (new state, (tokens_b, logprobs_b, valid_b, finish_b)).
 
   state.page_table_bm may be a prefix of the columns (width w): a busy slot's position
-  must fall in its first w pages.
+  must fall in its first w pages. With attention "ragged", live = (live_slot_u,
+  live_col_u) lists every page column a busy slot may read in this call.
   """
   pos_b = state.lengths_b
   p = (state.k_pages[0] if layers == "unrolled" else state.k_pages).shape[-2]
@@ -229,10 +269,13 @@ def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, atte
   col_b = jnp.minimum(pos_b // p, w - 1)
   page_b = jnp.take_along_axis(state.page_table_bm, col_b[:, None], axis=1)[:, 0]
   page_b = jnp.where(state.active_b, page_b, NULL_PAGE)
+  pages = state.page_table_bm
+  if attention == "ragged":
+    slot_u, col_u = live
+    pages = (state.page_table_bm[slot_u, jnp.maximum(col_u, 0)], slot_u, col_u)
   logits_bv, k_pages, v_pages = decode_logits(
       model_cfg, params, state.tokens_b, pos_b, state.k_pages, state.v_pages,
-      page_table_bw=state.page_table_bm, write_page_b=page_b, layers=layers,
-      attention=attention)
+      pages=pages, write_page_b=page_b, layers=layers, attention=attention)
 
   step_keys_b = jax.vmap(lambda raw, pos: jax.random.fold_in(jax.random.wrap_key_data(raw),
                                                              pos))(state.keys_br, pos_b)
@@ -261,14 +304,15 @@ POOL_FIELDS = ("k_pages", "v_pages")
 SLOT_FIELDS = tuple(f for f in DecodeState._fields if f not in POOL_FIELDS)
 
 
-def generate(params, state: DecodeState, *, num_slots: int, num_pages: int, steps: int,
-             **step_kw) -> tuple[DecodeState, StepOutput]:
+def generate(params, state: DecodeState, live=None, *, num_slots: int, num_pages: int,
+             steps: int, **step_kw) -> tuple[DecodeState, StepOutput]:
   """`steps` decode steps over slots [0, num_slots) reading page-table columns
   [0, num_pages): with the KV in pages, a smaller batch or a shorter context is just a
-  slice of the per-slot registers and page tables. The pools are written in place."""
+  slice of the per-slot registers and page tables. The pools are written in place.
+  `live`: the (live_slot_u, live_col_u) lists of "ragged" attention, else None."""
   sub = state._replace(**{f: getattr(state, f)[:num_slots] for f in SLOT_FIELDS})
   sub = sub._replace(page_table_bm=sub.page_table_bm[:, :num_pages])
-  step = functools.partial(decode_step, params=params, **step_kw)
+  step = functools.partial(decode_step, params=params, live=live, **step_kw)
   sub, (tokens_sb, logprobs_sb, valid_sb, finish_sb) = lax.scan(
       lambda s, _: step(s), sub, None, length=steps)
   written = [f for f in SLOT_FIELDS if f != "page_table_bm"]  # decode never edits tables

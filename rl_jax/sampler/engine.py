@@ -289,6 +289,7 @@ class Engine:
     # generate runs over the first k slots and the first w page-table columns only.
     self.slot_buckets = _pow2_buckets(self._slots)
     self.page_buckets = _pow2_buckets(self.pages_per_seq)
+    self.live_buckets = _pow2_buckets(self._slots * self.pages_per_seq)
 
     cfg = self.model_cfg
     param_shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
@@ -329,19 +330,24 @@ class Engine:
     self._move = jax.jit(_move_slots, in_shardings=(st, rep, rep), out_shardings=st,
                          donate_argnums=(0,))
 
-  def generate_program(self, num_slots: int, num_pages: int):
-    """The jitted generate over slots [0, num_slots) and page columns [0, num_pages)."""
-    key = (int(num_slots), int(num_pages))
-    if key[0] not in self.slot_buckets or key[1] not in self.page_buckets:
+  def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0):
+    """The jitted generate over slots [0, num_slots) and page columns [0, num_pages);
+    with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets)."""
+    key = (int(num_slots), int(num_pages), int(num_live))
+    ragged = self.attention == "ragged"
+    if (key[0] not in self.slot_buckets or key[1] not in self.page_buckets or
+        (key[2] not in self.live_buckets if ragged else key[2])):
       raise ValueError(f"num_slots must be one of {self.slot_buckets} and num_pages one "
-                       f"of {self.page_buckets}, got {num_slots}, {num_pages}")
+                       f"of {self.page_buckets}, got {num_slots}, {num_pages} ({num_live} "
+                       f"live pages, attention {self.attention})")
     if key not in self._generate:
+      rep = shd.replicated(self._mesh)
       self._generate[key] = jax.jit(
           functools.partial(decode.generate, num_slots=key[0], num_pages=key[1],
                             steps=self.steps_per_call, model_cfg=self.model_cfg,
                             stop_ids=self.stop_ids, layers=self.layers,
                             attention=self.attention),
-          in_shardings=(self.param_shardings, self.state_shardings),
+          in_shardings=(self.param_shardings, self.state_shardings) + ((rep,) if ragged else ()),
           out_shardings=(self.state_shardings, self._output_shardings(key[0])),
           donate_argnums=(1,))
     return self._generate[key]
@@ -522,15 +528,27 @@ class Engine:
         stop_on_eos=stop_on_eos, seed=seed, sample_index=sample_index, sampling=sampling)])
 
   def generate(self, params: Any, decode_state: DecodeState, *,
-               num_slots: int | None = None,
-               num_pages: int | None = None) -> tuple[DecodeState, StepOutput]:
+               num_slots: int | None = None, num_pages: int | None = None,
+               live=None) -> tuple[DecodeState, StepOutput]:
     """steps_per_call decode steps in one call, over all slots or over the first
     `num_slots` (one of slot_buckets; StepOutput then has num_slots columns), reading
     all page-table columns or the first `num_pages` (one of page_buckets: every busy
-    slot's positions this call must lie in those pages, see page_bucket)."""
+    slot's positions this call must lie in those pages, see page_bucket). With
+    attention "ragged", `live` = (slots, columns) lists the page-table cells busy slots
+    read this call (all cells of the first num_slots rows when None)."""
     k = self._slots if num_slots is None else int(num_slots)
     w = self.pages_per_seq if num_pages is None else int(num_pages)
-    return self.generate_program(k, w)(params, decode_state)
+    if self.attention != "ragged":
+      return self.generate_program(k, w)(params, decode_state)
+    if live is None:  # every column of every slot
+      live = (np.repeat(np.arange(k), w), np.tile(np.arange(w), k))
+    w = self.pages_per_seq  # only the KV writes read the table: one width
+    slot_u, col_u = (np.asarray(x, np.int32).reshape(-1) for x in live)
+    u = next(n for n in self.live_buckets if n >= max(slot_u.shape[0], 1))
+    pad = u - slot_u.shape[0]
+    slot_u = np.concatenate([slot_u, np.zeros((pad,), np.int32)])
+    col_u = np.concatenate([col_u, np.full((pad,), -1, np.int32)])
+    return self.generate_program(k, w, u)(params, decode_state, (slot_u, col_u))
 
   def move_slots(self, decode_state: DecodeState, src, dst) -> DecodeState:
     """Move the sequences in slots `src` to the idle slots `dst` (their pages stay)."""

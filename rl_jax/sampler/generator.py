@@ -289,7 +289,8 @@ class Generator:
       width = self.engine.page_bucket(max(self._call_positions(s) for s in self._slots
                                           if s is not None))
       self._state, out = self.engine.generate(self._params, self._state,
-                                              num_slots=num_slots, num_pages=width)
+                                              num_slots=num_slots, num_pages=width,
+                                              live=self._live_pages())
       self.generate_calls += 1
       finished = self._consume(jax.device_get(out), version)
     self.busy_s += time.perf_counter() - t0
@@ -362,6 +363,17 @@ class Generator:
   def _call_positions(self, seq: _Seq) -> int:
     """Positions `seq`'s cache may hold after the next generate call."""
     return min(seq.length + self.engine.steps_per_call, seq.cache_limit)
+
+  def _live_pages(self):
+    """(slots, columns) of every page a busy sequence may read in the next call, for
+    "ragged" attention (None otherwise)."""
+    if self.engine.attention != "ragged":
+      return None
+    busy = [s for s in self._slots if s is not None]
+    counts = [pt.pages_for(self._call_positions(s), self.engine.page_size) for s in busy]
+    slots = np.repeat([s.slot for s in busy], counts)
+    cols = np.concatenate([np.arange(n) for n in counts])
+    return slots, cols
 
   def _pages_short(self, seq: _Seq) -> int:
     """Pages `seq` lacks for the tokens its next generate call may cache."""
