@@ -4,8 +4,8 @@ writes and sampling, as pure functions (engine.py jits them).
 Shape letters:
   b decode slots, s decode steps per call, l layers, n pages in the pool, p tokens per
   page, k kv heads, g query heads per kv head, h query heads (h = k g), d head_dim,
-  e embed, v vocab, w page-table columns read by this call (a width bucket), r words of
-  a raw PRNG key.
+  e embed, v vocab, w page-table columns read by this call (a width bucket), u live
+  (slot, page) pairs read by this call ("ragged" attention), r words of a raw PRNG key.
 
 Layout. The K/V pools are laid out per layer as [k, n, p, d] (the layout of
 jax.experimental.pallas.ops.tpu.paged_attention): with `layers="unrolled"` the state
@@ -19,8 +19,11 @@ slower per step than the unrolled loop (shared/measurements/h200-2026-11-30).
 A step writes the new token's K/V into its page first, then attends over the slot's
 pages with `kv_len_b = position + 1` keys, so the page holding the position must be
 owned by the slot (the generator allocates pages for every position a step writes).
-Attention reads only `w` page-table columns; the host picks `w` per call as the
-smallest width bucket covering every busy slot's pages (engine.page_buckets).
+Attention ("jnp", the default off TPU) reads only `w` page-table columns; the host
+picks `w` per call as the smallest width bucket covering every busy slot's pages
+(engine.page_buckets). "ragged" reads only the u pages busy slots use (softmax per slot
+by segment max / sum), whatever the mix of lengths; "pallas_tpu" hands the page table
+and lengths to JAX's Pallas TPU kernel, which stops at each slot's length itself.
 
 Sampling: the sampled token's log-prob is z[token] - logsumexp(z) with z the logits
 actually sampled from (after temperature and truncation), no full log-softmax.
