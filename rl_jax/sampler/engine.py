@@ -289,7 +289,10 @@ class Engine:
     # generate runs over the first k slots and the first w page-table columns only.
     self.slot_buckets = _pow2_buckets(self._slots)
     self.page_buckets = _pow2_buckets(self.pages_per_seq)
-    self.live_buckets = _pow2_buckets(self._slots * self.pages_per_seq)
+    # Live-page counts: powers of two and 1.5x powers of two (at most 1/3 padding).
+    self.live_buckets = tuple(sorted(
+        {b for i in range(31) for b in (2 ** i, 3 * 2 ** i)
+         if b < self._slots * self.pages_per_seq} | {self._slots * self.pages_per_seq}))
 
     cfg = self.model_cfg
     param_shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
