@@ -243,9 +243,11 @@ class Engine:
   JetStream-shaped: load_params, init_decode_state, prefill, insert, generate,
   free_resource, max_concurrent_decodes, samples_per_slot, max_prefill_length, mesh,
   get_tokenizer. rl_jax extras used by the Generator: write_prefix (one prefill shared
-  by many slots), insert_many (start many sequences in one call, with copy-on-write of
+  by many slots), prefill_into_pages (many prompts prefilled and written in one call),
+  insert_many (start many sequences in one call, with copy-on-write of
   a partial page), set_page_rows (grow page tables), free_slots, move_slots and
-  generate(num_slots=k) (decode only the first k slots when few are busy), pad_tokens.
+  generate(num_slots=k, num_pages=w, live=...) (decode only the first k slots when few
+  are busy, reading only the pages they use), pad_tokens.
   Every device method is jitted once per input shape (prefill once per length bucket,
   generate once per (slot bucket, page-width bucket) pair it is called with).
   """
