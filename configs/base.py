@@ -41,7 +41,9 @@ def get_config(arg=None):
   c.sampler.temperature = 1.0
   c.sampler.top_k = 0  # 0: off
   c.sampler.top_p = 1.0
-  c.sampler.dtype = "float32"  # sampler weight / KV dtype
+  c.sampler.dtype = "auto"  # sampler weight / KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU
+  c.sampler.layers = "auto"  # decode layer loop: unrolled | scan; auto: unrolled
+  c.sampler.attention = "auto"  # decode attention: jnp | ragged | pallas_tpu; auto: pallas_tpu on TPU, else jnp
   c.sampler.steps_per_call = 1  # decode steps per host round trip
 
   c.trainer = ml_collections.ConfigDict()

@@ -54,11 +54,12 @@ def sampler(args):
       preset=args.preset, requests=args.requests, median=args.median,
       tail_frac=args.tail_frac, tail_mult=args.tail_mult, batch=args.batch, slots=args.slots,
       page_size=args.page_size, steps_per_call=args.steps_per_call,
-      recompute_requests=args.recompute_requests, seed=args.seed)
+      recompute_requests=args.recompute_requests, seed=args.seed, layers=args.layers)
   print(json.dumps(row))
   print(_table(row, ("device", "preset", "requests", "median_len", "max_len", "tail_frac",
                      "static_batch", "paged_slots", "page_size", "kv_pages_budget",
-                     "steps_per_call", "paged_preemptions", "recompute_requests")))
+                     "steps_per_call", "paged_layers", "paged_dtype", "paged_preemptions",
+                     "recompute_requests")))
   methods = ("recompute", "static", "paged")
   cols = ("tokens_per_s", "latency_p50_s", "latency_p99_s", "kv_pages_used", "wall_s")
   print(f"{'method':<10}" + "".join(f"{c:>15}" for c in cols))
@@ -110,6 +111,7 @@ def _main(argv):
   p.add_argument("--recompute-requests", type=int, default=64,
                  help="run the quadratic recompute baseline on the first N requests (0: all)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--layers", default="auto", help="paged decode layer loop: auto | unrolled | scan")
   p.set_defaults(fn=sampler)
   p = sub.add_parser("suite", help=suite.__doc__)
   options.add_suite_args(p)

@@ -33,13 +33,17 @@ def test_suite_small_sections(tmp_path, capsys):
   args = _args("--preset", "tiny_char", "--small", "--decode-batches", "4", "--copy-mib", "2",
                "--ctx", "32", "--page-size", "8", "--steps-per-call", "2", "--decode-calls", "2",
                "--train-batch", "2", "--train-seq", "32",
-               "--skip", _skip_all_but("probes", "decode", "sync", "anchor"),
+               "--skip", _skip_all_but("probes", "decode", "decode_tail", "sync", "anchor"),
                "--out", str(out))
   assert suite.main(args) == 0
   res = json.loads(out.read_text())
   assert res["errors"] == {}
   assert set(res["skipped"]) == {"aot", "prefill", "train", "e2e"}
   assert res["probes"]["copy_gbps"] > 0 and res["probes"]["matmul_tflops"] > 0
+  gather, ragged = res["decode_tail"]
+  assert gather["attention"] == "jnp" and ragged["attention"] == "ragged"
+  assert gather["long_slots"] == 1 and 0 < gather["pages_read_frac"] < 1
+  assert gather["pages_read_frac"] <= ragged["pages_read_frac"] <= 1
   (row,) = res["decode"]
   assert row["batch"] == 4 and row["tokens_per_s"] > 0
   assert 0 < row["roofline_frac"] <= 1.5

@@ -1,5 +1,6 @@
-"""Paged decode engine: sampling math, paged decode against full recompute, prefix
-sharing, sharded meshes, multi-step calls and recompilation counts."""
+"""Paged decode engine: sampling math, paged decode against full recompute (both layer
+loops), prefix sharing, sharded meshes, multi-step calls, page-width buckets, the Pallas
+TPU attention route in interpret mode, and recompilation counts."""
 import functools
 
 import jax
@@ -34,9 +35,12 @@ def params():
   return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, p)
 
 
-@pytest.fixture(scope="module")
-def engine():
-  return make_engine()
+@pytest.fixture(scope="module", params=["unrolled", "scan"])
+def engine(request):
+  """Both decode layer loops: unrolled (per-layer pools) and lax.scan (stacked pools)."""
+  eng = make_engine(layers=request.param)
+  assert eng.layers == request.param
+  return eng
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +80,8 @@ def programs(engine):
   """Compiled programs per jitted engine operation. jax.jit of a module-level function
   (e.g. engine._insert) shares its compilation cache across Engine instances, so a
   test compares these before and after its own calls, never as absolute counts."""
-  return {"generate": engine._generate[engine.max_concurrent_decodes]._cache_size(),
+  full = engine.generate_program(engine.max_concurrent_decodes, engine.pages_per_seq)
+  return {"generate": full._cache_size(),
           "insert": engine._insert._cache_size(), "prefill": engine._prefill._cache_size()}
 
 
@@ -264,17 +269,124 @@ def test_sharded_meshes_and_multistep_match_single_device(engine, params):
     eng = make_engine(**kw)
     p = eng.load_params(params)
     if kw.get("mesh_shape") == (1, 1, 2):
-      spec = eng.state_shardings.k_pages_lnpkd.spec
-      assert tuple(spec) == (None, None, None, "tensor", None)
+      spec = eng.state_shardings.k_pages[0].spec
+      assert tuple(spec) == ("tensor", None, None, None)
       assert p["layers"]["k"].sharding.spec[2] == "tensor"
     if kw.get("mesh_shape") == (2, 1, 1):  # slots split over data, pools replicated
       assert tuple(eng.state_shardings.page_table_bm.spec) == ("data", None)
-      assert tuple(eng.state_shardings.k_pages_lnpkd.spec) == (None,) * 5
+      assert tuple(eng.state_shardings.k_pages[0].spec) == (None,) * 4
     state = eng.init_decode_state()
     alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
     for slot, prompt in enumerate(PROMPTS):
       state, _ = start(eng, p, state, alloc, slot, prompt)
     state, got, got_lp, _ = decode(eng, p, state, 6)
-    assert state.k_pages_lnpkd.sharding == eng.state_shardings.k_pages_lnpkd
+    assert state.k_pages[0].sharding == eng.state_shardings.k_pages[0]
     np.testing.assert_array_equal(got, want, err_msg=str(kw))
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4, err_msg=str(kw))
+
+
+def _started_state(eng, params, sampling):
+  state = eng.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
+  for slot, prompt in enumerate(PROMPTS):
+    state, _ = start(eng, params, state, alloc, slot, prompt, sampling=sampling, seed=slot)
+  return state
+
+
+def test_scanned_and_unrolled_layers_give_identical_results(params):
+  """Also the "ragged" attention (live pages only) against the page-table gather."""
+  sampling = E.Sampling(temperature=1.0, top_k=10, top_p=0.95)
+  results = {}
+  for layers, attention in (("unrolled", "jnp"), ("scan", "jnp"), ("unrolled", "ragged")):
+    eng = make_engine(layers=layers, steps_per_call=2, attention=attention)
+    state = _started_state(eng, params, sampling)
+    if layers == "unrolled" and attention == "jnp":
+      assert isinstance(state.k_pages, tuple) and len(state.k_pages) == CFG.num_layers
+      assert state.k_pages[0].shape == (CFG.num_kv_heads, eng.num_pages, PAGE, CFG.head_dim)
+    elif layers == "scan":
+      assert state.k_pages.shape == (CFG.num_layers, CFG.num_kv_heads, eng.num_pages, PAGE,
+                                     CFG.head_dim)
+    _, toks, lps, valid = decode(eng, params, state, 10)
+    assert valid.all()
+    results[layers, attention] = (toks, lps)
+  want = results["unrolled", "jnp"]
+  for key in (("scan", "jnp"), ("unrolled", "ragged")):
+    np.testing.assert_array_equal(results[key][0], want[0], err_msg=str(key))
+    np.testing.assert_allclose(results[key][1], want[1], atol=1e-4, err_msg=str(key))
+
+
+def test_page_width_buckets_read_fewer_pages_same_tokens(engine, params):
+  """Decoding with the narrowest page-table width that holds every slot equals decoding
+  over all columns; one program per (slot, width) bucket pair, however many calls."""
+  assert engine.page_buckets == (1, 2, 4, 8, 9)  # pages_for(16 + 20, 4) = 9
+  assert engine.page_bucket(1) == 1 and engine.page_bucket(9) == 4
+  assert engine.page_bucket(33) == 9 and engine.page_bucket(36) == 9
+  sampling = E.Sampling(temperature=1.0)
+  full = _started_state(engine, params, sampling)
+  _, want, want_lp, _ = decode(engine, params, full, 6)
+  narrow = _started_state(engine, params, sampling)
+  lengths = np.asarray(narrow.lengths_b)  # cached prompt tokens: 1, 3, 4, 10
+  toks, lps = [], []
+  before = {k: f._cache_size() for k, f in engine._generate.items()}
+  for i in range(6):
+    width = engine.page_bucket(int(lengths.max()) + i + 1)
+    assert width < engine.pages_per_seq
+    narrow, out = engine.generate(params, narrow, num_pages=width)
+    toks.append(np.asarray(out.tokens_sb))
+    lps.append(np.asarray(out.logprobs_sb))
+  np.testing.assert_array_equal(np.concatenate(toks).T, want)
+  # A different width changes the float reduction order only: recompute's tolerance.
+  np.testing.assert_allclose(np.concatenate(lps).T, want_lp, atol=1e-4)
+  after = {k: f._cache_size() for k, f in engine._generate.items()}
+  new = {k: after[k] - before.get(k, 0) for k in after}
+  assert all(n <= 1 for n in new.values()), new  # widths 4 then 8: one program each
+  with pytest.raises(ValueError, match="num_pages"):
+    engine.generate(params, narrow, num_pages=3)
+
+
+def test_pallas_tpu_paged_attention_matches_jnp_in_interpret_mode():
+  """The TPU route (jax.experimental.pallas.ops.tpu.paged_attention) against the jnp
+  gather, on CPU under pltpu.force_tpu_interpret_mode (no TPU here)."""
+  from rl_jax.sampler import decode as D
+  pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+  if not hasattr(pltpu, "force_tpu_interpret_mode"):
+    pytest.skip("this jax has no TPU interpret mode")
+  kh, n, p, d, b, h, w = 2, 13, 4, 32, 3, 4, 4
+  rng = np.random.default_rng(0)
+  k_knpd = jnp.asarray(rng.normal(size=(kh, n, p, d)), jnp.float32)
+  v_knpd = jnp.asarray(rng.normal(size=(kh, n, p, d)), jnp.float32)
+  q_bhd = jnp.asarray(rng.normal(size=(b, h, d)), jnp.float32)
+  table_bw = jnp.asarray(rng.permutation(np.arange(1, n))[:b * w].reshape(b, w), jnp.int32)
+  kv_len_b = jnp.asarray([5, 16, 1], jnp.int32)
+  want = D.paged_attention_jnp(q_bhd, k_knpd, v_knpd, table_bw, kv_len_b)
+  with pltpu.force_tpu_interpret_mode():
+    got = D.paged_attention_pallas_tpu(q_bhd, k_knpd, v_knpd, table_bw, kv_len_b)
+  # NumPy reference for the jnp path itself.
+  kk = np.asarray(k_knpd)[:, np.asarray(table_bw)].reshape(kh, b, w * p, d)
+  vv = np.asarray(v_knpd)[:, np.asarray(table_bw)].reshape(kh, b, w * p, d)
+  s = np.einsum("bkgd,kbsd->bkgs", np.asarray(q_bhd).reshape(b, kh, h // kh, d), kk) / d ** 0.5
+  s = np.where(np.arange(w * p)[None, None, None] < np.asarray(kv_len_b)[:, None, None, None],
+               s, -np.inf)
+  a = np.exp(s - s.max(-1, keepdims=True))
+  ref = np.einsum("bkgs,kbsd->bkgd", a / a.sum(-1, keepdims=True), vv).reshape(b, h, d)
+  np.testing.assert_allclose(np.asarray(want), ref, atol=1e-5)
+  # The kernel's exp / reciprocal are TPU approximations even when interpreted.
+  np.testing.assert_allclose(np.asarray(got), ref, atol=2e-2)
+
+
+def test_prefill_into_pages_equals_one_prefill_per_prompt(engine, params):
+  """One batched prefill call writes the same K/V into every prompt's pages as a
+  prefill + write_prefix per prompt (the null page, which absorbs padding, aside)."""
+  alloc = pt.PageAllocator(num_pages=engine.num_pages, page_size=PAGE)
+  pages = [alloc.allocate(pt.pages_for(len(p) - 1, PAGE)) for p in PROMPTS]
+  one_by_one = engine.init_decode_state()
+  for prompt, pg in zip(PROMPTS, pages):
+    padded, n = engine.pad_tokens(prompt)
+    prefix = engine.prefill(params=params, padded_tokens=padded, true_length=n)
+    one_by_one = engine.write_prefix(prefix, one_by_one, pages=pg)
+  batched = engine.prefill_into_pages(params, engine.init_decode_state(), PROMPTS, pages)
+  for a, b in zip(jax.tree.leaves((one_by_one.k_pages, one_by_one.v_pages)),
+                  jax.tree.leaves((batched.k_pages, batched.v_pages))):
+    a, b = np.asarray(a)[..., 1:, :, :], np.asarray(b)[..., 1:, :, :]
+    assert np.abs(a).sum() > 0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # batch shape changes rounding

@@ -22,10 +22,10 @@ PROMPTS = [np.array([1, 5, 6, 7, 8]), np.array([1]), np.array([1, 9, 10, 11]),
 SAMPLING = E.Sampling(temperature=0.8, top_k=20, top_p=0.9)
 
 
-def make_engine(num_pages, stop_ids):
+def make_engine(num_pages, stop_ids, **kw):
   return E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
                   max_concurrent_decodes=4, page_size=PAGE, num_pages=num_pages,
-                  max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids)
+                  max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids, **kw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +117,29 @@ def engine(stop_id):
   return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id))
 
 
-def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
+@pytest.fixture(scope="module")
+def scan_engine(stop_id):
+  """Layers in lax.scan over stacked pools, three steps per call."""
+  return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id), layers="scan",
+                     steps_per_call=3)
+
+
+@pytest.fixture(scope="module")
+def ragged_engine(stop_id):
+  """Attention over only the pages each busy sequence uses, two steps per call."""
+  return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id), attention="ragged",
+                     steps_per_call=2)
+
+
+@pytest.fixture(params=["unrolled", "scan", "ragged"])
+def any_engine(request, engine, scan_engine, ragged_engine):
+  eng = {"unrolled": engine, "scan": scan_engine, "ragged": ragged_engine}[request.param]
+  assert request.param in (eng.layers, eng.attention)
+  return eng
+
+
+def test_greedy_matches_recompute_and_frees_every_page(any_engine, params, stop_id):
+  engine = any_engine
   # jax.jit of a module-level function (engine._insert) shares its compilation cache
   # across Engine instances: count the programs this test adds, not absolute sizes.
   gen_before = {k: f._cache_size() for k, f in engine._generate.items()}
@@ -153,13 +175,24 @@ def test_greedy_matches_recompute_and_frees_every_page(engine, params, stop_id):
   # At most one new program per slot bucket (busy sequences are compacted into the lowest
   # slots), the 1-slot bucket among those used, and at most one new insert program
   # (none when another engine of the same shapes and shardings compiled it).
+  # Programs are per (slot bucket, page-width bucket), or per (slot bucket, live-page
+  # bucket) with ragged attention: bounded by their product.
   gen_after = {k: f._cache_size() for k, f in engine._generate.items()}
-  assert all(gen_after[k] <= gen_before[k] + 1 for k in gen_after), (gen_before, gen_after)
-  assert gen_after[1] >= 1
+  assert all(gen_after[k] <= gen_before.get(k, 0) + 1 for k in gen_after), (gen_before, gen_after)
+  ragged = engine.attention == "ragged"
+  widths = engine.live_buckets if ragged else engine.page_buckets
+  assert len(gen_after) <= len(engine.slot_buckets) * len(widths)
+  assert any(k[0] == 1 and n >= 1 for k, n in gen_after.items())
+  # Short sequences read fewer pages than every slot's maximum.
+  if ragged:
+    assert any(k[2] < k[0] * engine.pages_per_seq for k in gen_after), gen_after
+  else:
+    assert any(k[1] < engine.pages_per_seq for k in gen_after), gen_after
   assert 1 <= engine._insert._cache_size() <= insert_before + 1
 
 
-def test_groups_share_prompt_pages_and_logprobs_match_recompute(engine, params):
+def test_groups_share_prompt_pages_and_logprobs_match_recompute(any_engine, params):
+  engine = any_engine
   gen = G.Generator(engine, params, sampling=SAMPLING)
   groups = {10: PROMPTS[4], 11: PROMPTS[3], 12: PROMPTS[6]}
   for gid, p in groups.items():
@@ -217,23 +250,26 @@ def _new_params(params):
   return new
 
 
-def test_inflight_weight_update_mixed_versions(engine, params):
+def test_inflight_weight_update_mixed_versions(any_engine, params):
+  engine = any_engine
   new = _new_params(params)
   gen = G.Generator(engine, params, inflight_weight_updates=True)
   prompt = PROMPTS[2]
   gen.add_group(0, prompt, 1, seed=0, sampling=E.Sampling.greedy(), stop_on_eos=False)
   out = []
-  for _ in range(4):
+  while gen.tokens_generated < 4:
     out += gen.step()
+  assert gen.tokens_generated == 4 or engine.steps_per_call > 1
+  switch = gen.tokens_generated
   publisher = threading.Thread(target=gen.update_params, args=(new, 7))
   publisher.start()
   publisher.join()
   assert gen.version == 0  # swapped at the top of the next step, not by the publisher
   out += run(gen)
   (r,) = out
-  assert r.token_versions.tolist() == [0] * 4 + [7] * (MAX_NEW - 4)
+  assert r.token_versions.tolist() == [0] * switch + [7] * (MAX_NEW - switch)
   assert r.mixed_versions and gen.version == 7
-  ref_t, ref_lp = reference_greedy(lambda i: params if i < 4 else new, [prompt], MAX_NEW)
+  ref_t, ref_lp = reference_greedy(lambda i: params if i < switch else new, [prompt], MAX_NEW)
   np.testing.assert_array_equal(r.completion_tokens, ref_t[0])
   np.testing.assert_allclose(r.behavior_logprobs, ref_lp[0], atol=1e-4)
   old_only, _ = reference_greedy(lambda i: params, [prompt], MAX_NEW)
@@ -319,7 +355,9 @@ def test_pages_run_out_admission_waits_without_corruption(engine, params, stop_i
   for key, r in roomy.items():
     np.testing.assert_array_equal(tight[key].completion_tokens, r.completion_tokens,
                                   err_msg=str(key))
-    np.testing.assert_allclose(tight[key].behavior_logprobs, r.behavior_logprobs, atol=1e-5)
+    # Batches of other slots and page widths differ between the runs, which changes the
+    # order of float reductions (not the math): the recompute tolerance applies.
+    np.testing.assert_allclose(tight[key].behavior_logprobs, r.behavior_logprobs, atol=1e-4)
   assert gen.allocator.num_used == 0 and not gen.allocator.refcounts().any()
   with pytest.raises(ValueError, match="KV pages"):
     gen.add_group(99, PROMPTS[3], 4, seed=0)

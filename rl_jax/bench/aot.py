@@ -52,8 +52,9 @@ def decode_program(model_cfg, mesh, *, batch, sizes, dtype, device_bytes) -> dic
   allocated = _live_bytes() - before
   params = jax.eval_shape(engine.load_params, rng=jax.random.key(0))
   state = jax.eval_shape(engine.init_decode_state)
-  # engine._generate[batch] is the program Engine.generate runs over all slots.
-  compiled = engine._generate[batch].lower(params, state).compile()
+  # The program Engine.generate runs over all slots and all page-table columns.
+  program = engine.generate_program(batch, engine.pages_per_seq)
+  compiled = program.lower(params, state).compile()
   return dict(memory(compiled, device_bytes), construct_allocated_bytes=allocated)
 
 

@@ -13,6 +13,11 @@ memory floor of one step is
   KV bytes per token = 2 (K and V) x layers x kv heads x head_dim x itemsize,
 and roofline_frac = (bytes_step / copy bandwidth) / measured step time.
 
+Long-tail decode. The same engine with most slots short (ctx / 8 cached tokens) and
+one slot in eight near `ctx`, as in RL rollouts late in a batch. Its floor counts only
+the KV positions slots really hold; `pages_read_frac` is the share of the page-table
+columns read per step that hold live tokens (1.0 would mean reading only live pages).
+
 Every fraction is given against this run's probe (`mfu`, `roofline_frac`,
 `frac_of_copy`) and, suffixed `_ref`, against a reference figure from the command line
 (DESIGN.md's H200 numbers by default).
@@ -111,7 +116,8 @@ def sampler_params(model_cfg, mesh, dtype: str):
 
 
 def decode_engine(model_cfg, mesh, *, batch: int, ctx: int, page_size: int,
-                  steps_per_call: int, dtype: str) -> engine_lib.Engine:
+                  steps_per_call: int, dtype: str,
+                  attention: str = "auto") -> engine_lib.Engine:
   """An engine whose page table spans exactly `ctx` positions per slot."""
   if ctx % page_size:
     raise ValueError(f"--ctx ({ctx}) must be a multiple of --page-size ({page_size})")
@@ -119,7 +125,8 @@ def decode_engine(model_cfg, mesh, *, batch: int, ctx: int, page_size: int,
   return engine_lib.Engine(
       model_cfg, mesh=mesh, max_concurrent_decodes=batch, page_size=page_size,
       num_pages=1 + batch * (ctx // page_size), max_prefill_length=half,
-      max_new_tokens=ctx - half, dtype=dtype, steps_per_call=steps_per_call, stop_ids=())
+      max_new_tokens=ctx - half, dtype=dtype, steps_per_call=steps_per_call, stop_ids=(),
+      attention=attention)
 
 
 def decode(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
@@ -158,6 +165,53 @@ def decode(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
     row["roofline_frac_ref"] = bytes_step / (ref_gbps * 1e9) / step_s
   if copy_gbps:
     row["floor_ms"] = 1e3 * bytes_step / (copy_gbps * 1e9)
+    row["roofline_frac"] = bytes_step / (copy_gbps * 1e9) / step_s
+  return row
+
+
+def _filled_state(engine, lengths):
+  pages_per_slot = engine.pages_per_seq
+  entries = [dict(slot=i, pages=list(range(1 + i * pages_per_slot, 1 + (i + 1) * pages_per_slot)),
+                  token=3, length=int(n), max_new_tokens=2 ** 30, stop_on_eos=False, seed=i,
+                  sample_index=0, sampling=engine_lib.Sampling())
+             for i, n in enumerate(lengths)]
+  return engine.insert_many(engine.init_decode_state(), entries)
+
+
+def decode_long_tail(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
+                     steps_per_call: int, calls: int, dtype: str, copy_gbps: float | None,
+                     ref_gbps: float, attention: str = "auto") -> dict:
+  engine = decode_engine(model_cfg, mesh, batch=batch, ctx=ctx, page_size=page_size,
+                         steps_per_call=steps_per_call, dtype=dtype, attention=attention)
+  long_len = ctx - (calls + 1) * steps_per_call - 1
+  lengths = np.full((batch,), max(ctx // 8, 1), np.int64)
+  lengths[::8] = long_len  # one slot in eight near the maximum
+  state = _filled_state(engine, lengths)
+  width = engine.page_bucket(int(lengths.max()) + (calls + 1) * steps_per_call)
+  counts = [pt.pages_for(int(n) + steps_per_call * (calls + 1), page_size) for n in lengths]
+  live_pages = sum(counts)
+  # With ragged attention: the cells busy slots read (the generator passes the same).
+  live = (np.repeat(np.arange(batch), counts), np.concatenate([np.arange(c) for c in counts]))
+  state, out = engine.generate(params, state, num_pages=width, live=live)
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    state, out = engine.generate(params, state, num_pages=width, live=live)
+  jax.block_until_ready(out)
+  step_s = (time.perf_counter() - t0) / (calls * steps_per_call)
+  mean_len = float(lengths.mean()) + steps_per_call + (calls * steps_per_call - 1) / 2 + 1
+  read = (next(u for u in engine.live_buckets if u >= live_pages)
+          if engine.attention == "ragged" else batch * width)
+  weight_bytes = tree_bytes(params)
+  bytes_step = weight_bytes + batch * mean_len * kv_bytes_per_token(model_cfg, dtype)
+  row = dict(batch=batch, ctx=ctx, attention=engine.attention,
+             short_len=int(lengths[1]) if batch > 1 else None,
+             long_len=long_len, long_slots=int((lengths == long_len).sum()),
+             page_width=width, pages_read_frac=live_pages / read,
+             step_ms=1e3 * step_s, tokens_per_s=batch / step_s, bytes_per_step=int(bytes_step))
+  if ref_gbps:
+    row["roofline_frac_ref"] = bytes_step / (ref_gbps * 1e9) / step_s
+  if copy_gbps:
     row["roofline_frac"] = bytes_step / (copy_gbps * 1e9) / step_s
   return row
 

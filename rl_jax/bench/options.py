@@ -13,7 +13,8 @@ import dataclasses
 # Run order. aot is opt-in (--aot, --aot-only): it only compiles, and an accelerator
 # run compiles the same programs anyway; it goes first so a program that cannot fit is
 # reported before anything runs.
-SECTIONS = ("aot", "probes", "decode", "prefill", "train", "sync", "anchor", "e2e")
+SECTIONS = ("aot", "probes", "decode", "decode_tail", "prefill", "train", "sync", "anchor",
+            "e2e")
 
 
 @dataclasses.dataclass(frozen=True)

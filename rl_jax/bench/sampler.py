@@ -174,9 +174,13 @@ def run_paged(requests, *, engine, params):
   while warm.num_active or warm.num_pending:
     warm.step()
   state = engine.init_decode_state()
-  for k in engine.slot_buckets:  # every generate variant the run may use
-    state, out = engine.generate(params, state, num_slots=k)
-  jax.block_until_ready(out)
+  for k in engine.slot_buckets:  # every generate and batched-prefill variant the run may use
+    for w in engine.page_buckets:
+      state, out = engine.generate(params, state, num_slots=k, num_pages=w)
+    for t in engine.prefill_buckets:  # prompts of t tokens, written to the null page
+      state = engine.prefill_into_pages(params, state, [np.ones((t,), np.int32)] * k,
+                                        [[]] * k)
+  jax.block_until_ready((state, out))
   gen = generator_lib.Generator(engine, params)
   for i, (p, n) in enumerate(requests):
     gen.add_group(i, p, 1, seed=i, max_new_tokens=n, stop_on_eos=False)
@@ -194,7 +198,7 @@ def run_paged(requests, *, engine, params):
 def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac: float,
                           tail_mult: int, batch: int, slots: int, page_size: int,
                           steps_per_call: int, recompute_requests: int = 0,
-                          seed: int = 0) -> dict:
+                          seed: int = 0, layers: str = "auto") -> dict:
   """Runs the three methods on one workload; returns a flat dict of results.
 
   recompute_requests > 0 runs the (quadratic-cost) recompute method on only the first
@@ -212,7 +216,7 @@ def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac:
   engine = engine_lib.Engine(
       model_cfg, mesh=mesh, max_concurrent_decodes=slots, page_size=page_size,
       num_pages=num_pages, max_prefill_length=max_prompt, max_new_tokens=max_new,
-      steps_per_call=steps_per_call)
+      steps_per_call=steps_per_call, layers=layers)
   params = engine.load_params(rng=jax.random.key(seed))
 
   rows = {}
@@ -232,7 +236,8 @@ def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac:
              median_len=int(np.median(lengths)), max_len=int(lengths.max()),
              tail_frac=float(np.mean(lengths == max_new)), static_batch=batch,
              paged_slots=slots, page_size=page_size, kv_pages_budget=num_pages - 1,
-             steps_per_call=steps_per_call, paged_preemptions=preempt,
+             steps_per_call=steps_per_call, paged_layers=engine.layers,
+             paged_dtype=engine.model_cfg.dtype, paged_preemptions=preempt,
              recompute_requests=len(sub))
   for name, r in rows.items():
     lat = np.asarray(r["done"])

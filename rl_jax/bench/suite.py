@@ -43,8 +43,9 @@ def _section_fns(args, sizes, model_cfg, res, sections):
   mesh = measure.one_device_mesh()
   probes = lambda: res.get("probes", {})
   shared = {}
-  # decode and prefill share one set of sampler weights, freed after the last of them.
-  last_weights_user = "prefill" if "prefill" in sections else "decode"
+  # decode, decode_tail and prefill share one set of sampler weights, freed after the last.
+  last_weights_user = next(s for s in ("prefill", "decode_tail", "decode", "")
+                           if s in sections or not s)
 
   def params(section):
     if "params" not in shared:
@@ -69,6 +70,14 @@ def _section_fns(args, sizes, model_cfg, res, sections):
                            calls=sizes.decode_calls, dtype=args.dtype,
                            copy_gbps=probes().get("copy_gbps"), ref_gbps=args.ref_gbps)
             for b in sizes.decode_batches]
+
+  def decode_tail():
+    weights = params("decode_tail")
+    return [measure.decode_long_tail(
+        model_cfg, weights, mesh, batch=b, ctx=sizes.ctx, page_size=sizes.page_size,
+        steps_per_call=sizes.steps_per_call, calls=sizes.decode_calls, dtype=args.dtype,
+        copy_gbps=probes().get("copy_gbps"), ref_gbps=args.ref_gbps, attention=attention)
+            for b in sizes.decode_batches for attention in ("auto", "ragged")]
 
   def prefill():
     return measure.prefill(model_cfg, params("prefill"), mesh, length=sizes.prefill_len,
@@ -107,8 +116,8 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_jax_bench_e2e_")
     return e2e_lib.run(config, workdir, preset=args.preset, dtype=args.dtype, sizes=sizes)
 
-  return dict(aot=aot, probes=probe, decode=decode, prefill=prefill, train=train, sync=sync,
-              anchor=anchor, e2e=e2e)
+  return dict(aot=aot, probes=probe, decode=decode, decode_tail=decode_tail, prefill=prefill,
+              train=train, sync=sync, anchor=anchor, e2e=e2e)
 
 
 def run(args) -> dict:
@@ -211,6 +220,15 @@ def table_rows(res: dict) -> list[tuple]:
                  roof if b >= 256 else f"({roof} at B=256)"))
     rows.append(("decode", f"{tag} roofline frac (ref bw)", d.get("roofline_frac_ref"),
                  None, None, ""))
+  for d in res.get("decode_tail") or []:
+    tag = (f"B={d['batch']} {d['batch'] - d['long_slots']}x{d['short_len']}"
+           f"+{d['long_slots']}x{d['long_len']} {d['attention']}")
+    rows.append(("decode_tail", f"{tag} tokens/s", d["tokens_per_s"], None, None, ""))
+    rows.append(("decode_tail", f"{tag} step ms", d["step_ms"], None, None, ""))
+    rows.append(("decode_tail", f"{tag} roofline frac (live KV)", d.get("roofline_frac"),
+                 None, None, ""))
+    rows.append(("decode_tail", f"{tag} live share of pages read", d["pages_read_frac"],
+                 None, None, "(1 = live pages only)"))
   pf = res.get("prefill")
   if pf:
     rows.append(("prefill", f"T={pf['length']} tokens/s", pf["tokens_per_s"], None, None, ""))

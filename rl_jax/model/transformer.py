@@ -148,6 +148,47 @@ def _causal_attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementa
 _REMAT_POLICY = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
+def layer_forward(cfg: ModelConfig, lp: dict, x_bte: jax.Array, cos_btd: jax.Array,
+                  sin_btd: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
+  """One pre-norm decoder layer as a pure function: (x_bte, whatever `attend` returns second).
+
+  `lp` is one layer's slice of params["layers"] (leaves without the `l` axis).
+  attend(q_bthd, k_btkd, v_btkd) -> (out_bthd, aux) gets q/k/v after RoPE; the scanned
+  training module and the sampler's unrolled decode loop both run this code.
+  """
+  dtype = jnp.dtype(cfg.dtype)
+  w = {name: p.astype(dtype) for name, p in lp.items()}
+  hid_bte = rms_norm(x_bte, lp["attn_norm"], cfg.rms_norm_eps)
+  q_bthd = jnp.einsum("bte,ehd->bthd", hid_bte, w["q"])
+  k_btkd = jnp.einsum("bte,ekd->btkd", hid_bte, w["k"])
+  v_btkd = jnp.einsum("bte,ekd->btkd", hid_bte, w["v"])
+  if cfg.qkv_bias:
+    q_bthd += w["q_bias"]
+    k_btkd += w["k_bias"]
+    v_btkd += w["v_bias"]
+  q_bthd = apply_rope(q_bthd, cos_btd, sin_btd)
+  k_btkd = apply_rope(k_btkd, cos_btd, sin_btd)
+  out_bthd, aux = attend(q_bthd, k_btkd, v_btkd)
+  x_bte = x_bte + jnp.einsum("bthd,hde->bte", out_bthd.astype(dtype), w["o"])
+
+  hid_bte = rms_norm(x_bte, lp["mlp_norm"], cfg.rms_norm_eps)
+  gate_btf = jnp.einsum("bte,ef->btf", hid_bte, w["gate"])
+  up_btf = jnp.einsum("bte,ef->btf", hid_bte, w["up"])
+  x_bte = x_bte + jnp.einsum("btf,fe->bte", jax.nn.silu(gate_btf) * up_btf, w["down"])
+  return x_bte, aux
+
+
+def lm_logits(cfg: ModelConfig, params: dict, x_bte: jax.Array) -> jax.Array:
+  """Final RMSNorm and vocabulary projection: logits_btv float32."""
+  dtype = jnp.dtype(cfg.dtype)
+  x_bte = rms_norm(x_bte, params["final_norm"], cfg.rms_norm_eps)
+  if cfg.tie_embeddings:
+    return jnp.einsum("bte,ve->btv", x_bte, params["embed"].astype(dtype),
+                      preferred_element_type=jnp.float32).astype(jnp.float32)
+  return jnp.einsum("bte,ev->btv", x_bte, params["lm_head"].astype(dtype),
+                    preferred_element_type=jnp.float32).astype(jnp.float32)
+
+
 def _normal(stddev: float):
   return nn.initializers.normal(stddev=stddev)
 
@@ -164,7 +205,6 @@ class _Layer(nn.Module):
   @nn.compact
   def __call__(self, carry, cos_btd, sin_btd, attn_ctx):
     cfg = self.cfg
-    dtype = jnp.dtype(cfg.dtype)
     e, h, kh, d, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                       cfg.intermediate_size)
     # Residual-branch outputs are scaled down by sqrt(2 * layers) so the residual
@@ -182,29 +222,21 @@ class _Layer(nn.Module):
     wu = self._param("up", (e, f), ("embed", "mlp"), _normal(e ** -0.5))
     wd = self._param("down", (f, e), ("mlp", "embed"), _normal(out_std / math.sqrt(f)))
 
-    x_bte, cache, layer = carry
-    hid_bte = rms_norm(x_bte, attn_norm, cfg.rms_norm_eps)
-    q_bthd = jnp.einsum("bte,ehd->bthd", hid_bte, wq.astype(dtype))
-    k_btkd = jnp.einsum("bte,ekd->btkd", hid_bte, wk.astype(dtype))
-    v_btkd = jnp.einsum("bte,ekd->btkd", hid_bte, wv.astype(dtype))
+    lp = dict(attn_norm=attn_norm, q=wq, k=wk, v=wv, o=wo, mlp_norm=mlp_norm, gate=wg,
+              up=wu, down=wd)
     if cfg.qkv_bias:
-      q_bthd += self._param("q_bias", (h, d), ("heads", "head_dim"), zeros).astype(dtype)
-      k_btkd += self._param("k_bias", (kh, d), ("kv_heads", "head_dim"), zeros).astype(dtype)
-      v_btkd += self._param("v_bias", (kh, d), ("kv_heads", "head_dim"), zeros).astype(dtype)
-    q_bthd = apply_rope(q_bthd, cos_btd, sin_btd)
-    k_btkd = apply_rope(k_btkd, cos_btd, sin_btd)
+      lp["q_bias"] = self._param("q_bias", (h, d), ("heads", "head_dim"), zeros)
+      lp["k_bias"] = self._param("k_bias", (kh, d), ("kv_heads", "head_dim"), zeros)
+      lp["v_bias"] = self._param("v_bias", (kh, d), ("kv_heads", "head_dim"), zeros)
 
+    x_bte, cache, layer = carry
     layer_cache = None
     if cache is not None:
       layer_cache = jax.tree.map(lambda c: lax.dynamic_index_in_dim(c, layer, keepdims=False),
                                  cache)
-    out_bthd, new_layer_cache = self.attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx)
-    x_bte = x_bte + jnp.einsum("bthd,hde->bte", out_bthd.astype(dtype), wo.astype(dtype))
-
-    hid_bte = rms_norm(x_bte, mlp_norm, cfg.rms_norm_eps)
-    gate_btf = jnp.einsum("bte,ef->btf", hid_bte, wg.astype(dtype))
-    up_btf = jnp.einsum("bte,ef->btf", hid_bte, wu.astype(dtype))
-    x_bte = x_bte + jnp.einsum("btf,fe->bte", jax.nn.silu(gate_btf) * up_btf, wd.astype(dtype))
+    x_bte, new_layer_cache = layer_forward(
+        cfg, lp, x_bte, cos_btd, sin_btd,
+        lambda q, k, v: self.attn_fn(q, k, v, layer_cache, attn_ctx))
 
     if cache is None:
       # Without an input cache whatever attn_fn returns is stacked by the scan.
@@ -259,22 +291,19 @@ class Transformer(nn.Module):
     (x_bte, cache, _), stacked = layers((x_bte, cache, jnp.int32(0)), cos_btd, sin_btd,
                                         attn_ctx)
 
-    final_norm = self.param(
+    head = {"embed": embed_ve}
+    head["final_norm"] = self.param(
         "final_norm", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (e,),
         pdtype)
-    x_bte = rms_norm(x_bte, final_norm, cfg.rms_norm_eps)
-    if return_hidden:
-      return x_bte, (stacked if cache is None else cache)
-    if cfg.tie_embeddings:
-      logits_btv = jnp.einsum("bte,ve->btv", x_bte, embed_ve.astype(dtype),
-                              preferred_element_type=jnp.float32)
-    else:
-      head_ev = self.param(
+    if not cfg.tie_embeddings:
+      head["lm_head"] = self.param(
           "lm_head", nn.with_logical_partitioning(_normal(e ** -0.5), ("embed", "vocab")),
           (e, vocab), pdtype)
-      logits_btv = jnp.einsum("bte,ev->btv", x_bte, head_ev.astype(dtype),
-                              preferred_element_type=jnp.float32)
-    return logits_btv.astype(jnp.float32), (stacked if cache is None else cache)
+    if return_hidden:
+      return (rms_norm(x_bte, head["final_norm"], cfg.rms_norm_eps),
+              (stacked if cache is None else cache))
+    logits_btv = lm_logits(cfg, head, x_bte)
+    return logits_btv, (stacked if cache is None else cache)
 
 
 def _boxed_params(model_cfg: ModelConfig, rng):

@@ -220,8 +220,8 @@ class ReplicatedOutputs:
   def __getattr__(self, name):
     return getattr(self._engine, name)
 
-  def generate(self, params, state, *, num_slots: int):
-    state, out = self._engine.generate(params, state, num_slots=num_slots)
+  def generate(self, params, state, *, num_slots: int, **kw):
+    state, out = self._engine.generate(params, state, num_slots=num_slots, **kw)
     fn = self._replicate.get(num_slots)
     if fn is None:
       in_sh = jax.tree.map(lambda x: x.sharding, out)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from rl_jax import sharding as sharding_lib
+from rl_jax.sampler.engine import resolve_dtype
 
 
 @dataclasses.dataclass
@@ -107,7 +108,7 @@ class WeightSync:
   def __init__(self, *, logical_axes, param_shapes, trainer_shardings, sampler_mesh,
                sampler_dtype: str, colocated: bool,
                sampler_rules=sharding_lib.SAMPLE_RULES, local_copy: bool | None = None):
-    dtype = jnp.dtype(sampler_dtype)
+    dtype = jnp.dtype(resolve_dtype(sampler_dtype))
     cast_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), param_shapes)
     self.sampler_shardings = sharding_lib.tree_shardings(
         logical_axes, cast_shapes, sampler_mesh, sampler_rules)

@@ -35,7 +35,8 @@ import dataclasses
 from rl_jax.sampler import page_table
 from rl_jax.trainer.buckets import pick_bucket
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# "auto" (sampler.dtype) is bfloat16 on the GPUs and TPUs plans are made for.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:

@@ -6,15 +6,15 @@ Shape letters:
   d head_dim, v vocab, m pages per sequence (page-table width), r words of a raw
   PRNG key.
 
-Device state (`DecodeState`) is one pytree: the K/V page pools `k_pages_lnpkd` /
-`v_pages_lnpkd`, a page table per slot, and per-slot decode registers (current token,
-cache length, sampling settings, PRNG key). Every operation is a jitted function with
-explicit in/out shardings on the sampler mesh that donates the state, so the pools
-are updated in place.
+Device state (`DecodeState`, decode.py) is one pytree: the K/V page pools (per layer
+[k, n, p, d], see decode.py for the layer modes), a page table per slot, and per-slot
+decode registers (current token, cache length, sampling settings, PRNG key). Every
+operation is a jitted function with explicit in/out shardings on the sampler mesh that
+donates the state, so the pools are updated in place.
 
 The cache of a slot holds `lengths_b` tokens; `tokens_b` is the token at position
-`lengths_b` whose K/V is not yet written. A decode step writes that token's K/V,
-attends over the slot's pages plus itself, samples the next token and advances. So
+`lengths_b` whose K/V is not yet written. A decode step writes that token's K/V into
+its page, attends over the slot's pages, samples the next token and advances. So
 `prefill` caches all prompt tokens but the last, and the last prompt token is fed to
 the first decode step, which returns the first completion token (JetStream 0.2.2
 semantics: the first token comes from the first generate).
@@ -29,7 +29,13 @@ log-softmax. Greedy slots report the model's temperature-1 log-prob of the argma
 token (the point mass they sample from carries no information).
 
 Page ownership is host-side (page_table.py); the engine only follows page tables. Page
-`NULL_PAGE` absorbs the writes of idle slots.
+`NULL_PAGE` absorbs the writes of idle slots. A sequence that may sample n tokens after
+c cached prompt tokens needs pages for c + n positions (every decode input is cached).
+
+Programs: generate is compiled per (slot bucket, page-width bucket) pair, both powers
+of two capped at their maxima, so at most log2(slots) x log2(pages per sequence)
+programs; each reads only its `w` page-table columns. `sampler.dtype` "auto" is
+bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
 
@@ -40,17 +46,29 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.sampler import decode
 from rl_jax.sampler import page_table as pt
 
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+# Re-exported: the engine's public names.
+DecodeState, StepOutput, sample_tokens = decode.DecodeState, decode.StepOutput, decode.sample_tokens
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = (decode.FINISH_NONE, decode.FINISH_STOP,
+                                           decode.FINISH_LENGTH)
 
-_POOL_AXES = ("layers", "pages", "page_slot", "kv_heads", "head_dim")
-_PREFIX_AXES = ("layers", "length", "kv_heads", "head_dim")
+_LAYER_POOL_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
+_PREFIX_AXES = ("layers", "kv_heads", "length", "head_dim")
+
+
+def resolve_dtype(name: str, backend: str | None = None) -> str:
+  """Sampler weight / KV dtype: "auto" is bfloat16 on GPU and TPU (half the bytes a
+  memory-bound decode step reads) and float32 on CPU (where bf16 arithmetic is
+  emulated and slower); any other name is returned as is."""
+  if name != "auto":
+    return name
+  return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,40 +89,14 @@ class Sampling:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-class DecodeState(NamedTuple):
-  """Everything a decode step reads and writes; lives on the sampler mesh."""
-  k_pages_lnpkd: jax.Array
-  v_pages_lnpkd: jax.Array
-  page_table_bm: jax.Array  # int32 page ids, NULL_PAGE where unused
-  lengths_b: jax.Array  # int32 tokens in the cache = position of tokens_b
-  tokens_b: jax.Array  # int32 next input token (K/V not yet cached)
-  active_b: jax.Array  # bool
-  generated_b: jax.Array  # int32 tokens sampled since insert
-  max_new_b: jax.Array  # int32 sampling budget
-  stop_on_eos_b: jax.Array  # bool: a stop id ends the sequence
-  keys_br: jax.Array  # uint32 raw PRNG key per request
-  temperature_b: jax.Array  # float32, <= 0 greedy
-  top_k_b: jax.Array  # int32, 0 off
-  top_p_b: jax.Array  # float32, 1 off
-
-
-class StepOutput(NamedTuple):
-  """What one generate call returns for the host, per step s and slot b."""
-  tokens_sb: jax.Array  # int32 sampled token
-  logprobs_sb: jax.Array  # float32 behaviour log-prob of that token
-  valid_sb: jax.Array  # bool: the slot was decoding at that step
-  finish_sb: jax.Array  # int32 FINISH_NONE | FINISH_STOP | FINISH_LENGTH
-  generated_b: jax.Array  # int32 tokens sampled since insert, after the call
-
-
 class Prefix(NamedTuple):
   """Dense K/V of one padded prompt (JetStream's `Prefix`).
 
   Positions 0..true_length-2 are written to pages at insert; the last prompt token
   is kept as the first decode input.
   """
-  k_ltkd: jax.Array
-  v_ltkd: jax.Array
+  k_lktd: jax.Array
+  v_lktd: jax.Array
   last_token: jax.Array  # int32 scalar
   true_length: jax.Array  # int32 scalar
 
@@ -130,173 +122,85 @@ class InsertBatch(NamedTuple):
   top_p_i: np.ndarray  # float32
 
 
-def sample_tokens(*, logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array,
-                  top_k_b: jax.Array, top_p_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(tokens_b int32, logprobs_b float32) for one step; see the module docstring.
-
-  top-k keeps the k highest logits; top-p then keeps the smallest prefix of the sorted
-  distribution whose mass reaches p (the top token always survives). The sort only runs
-  when some slot truncates.
-  """
-  logits_bv = logits_bv.astype(jnp.float32)
-  greedy_b = temperature_b <= 0
-  scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
-  truncate = jnp.any(~greedy_b & ((top_k_b > 0) | (top_p_b < 1)))
-  scaled_bv = lax.cond(truncate, _truncate, lambda x, *_: x, scaled_bv, top_k_b, top_p_b)
-  sampled_b = jax.vmap(jax.random.categorical)(keys_b, scaled_bv)
-  tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), sampled_b).astype(jnp.int32)
-  logp_bv = jax.nn.log_softmax(jnp.where(greedy_b[:, None], logits_bv, scaled_bv), axis=-1)
-  logprobs_b = jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]
-  return tokens_b, logprobs_b
-
-
-def _truncate(scaled_bv, top_k_b, top_p_b):
-  """scaled_bv with everything outside each row's top-k / top-p set at -inf."""
-  b, v = scaled_bv.shape
-  order_bv = jnp.argsort(-scaled_bv, axis=-1)
-  sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)
-  rank_v = jnp.arange(v)
-  keep_bv = (top_k_b[:, None] <= 0) | (rank_v[None] < top_k_b[:, None])
-  probs_bv = jax.nn.softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
-  mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
-  # top_p == 1 keeps everything even when float rounding lets the cumulative mass hit 1.
-  keep_bv &= (mass_before_bv < top_p_b[:, None]) | (top_p_b[:, None] >= 1)
-  keep_orig_bv = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order_bv].set(keep_bv)
-  return jnp.where(keep_orig_bv, scaled_bv, -jnp.inf)
-
-
 def _prefill_attention(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation):
   del layer_cache, attn_ctx
   return (model.causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation),
           (k_btkd, v_btkd))
 
 
-def _paged_decode_attention(q_b1hd, k_b1kd, v_b1kd, layer_cache, attn_ctx):
-  """One new token per slot attends over its gathered pages plus itself.
-
-  The pools arrive through attn_ctx, a loop invariant of the layer scan, so they are
-  read in place; the layer cache only carries this layer's index and returns the new
-  K/V, which the caller scatters into the pools once after the scan.
-  """
-  layer = layer_cache["layer"]
-  page_table_bm, lengths_b = attn_ctx["page_table_bm"], attn_ctx["lengths_b"]
-  b, m = page_table_bm.shape
-  k_pages, v_pages = attn_ctx["k_pages_lnpkd"], attn_ctx["v_pages_lnpkd"]
-  p, kh, d = k_pages.shape[2:]
-  past_k_bskd = k_pages[layer, page_table_bm].reshape(b, m * p, kh, d)
-  past_v_bskd = v_pages[layer, page_table_bm].reshape(b, m * p, kh, d)
-  k_bskd = jnp.concatenate([past_k_bskd, k_b1kd.astype(k_pages.dtype)], axis=1)
-  v_bskd = jnp.concatenate([past_v_bskd, v_b1kd.astype(v_pages.dtype)], axis=1)
-  past_bs = jnp.arange(m * p)[None] < lengths_b[:, None]
-  mask_b1s = jnp.concatenate([past_bs, jnp.ones((b, 1), bool)], axis=1)[:, None]
-  out_b1hd = model.gqa_attention(q_b1hd.astype(k_pages.dtype), k_bskd, v_bskd, mask_b1s)
-  return out_b1hd, {"layer": layer, "k": k_b1kd.astype(k_pages.dtype),
-                    "v": v_b1kd.astype(v_pages.dtype)}
-
-
-def _decode_step(state: DecodeState, *, model_cfg, params, stop_ids, page_size):
-  """One token for every slot: (new state, (tokens_b, logprobs_b, valid_b, finish_b))."""
-  num_layers = model_cfg.num_layers
-  b, m = state.page_table_bm.shape
-  kh, d = state.k_pages_lnpkd.shape[3:]
-  new_kv = jnp.zeros((num_layers, b, 1, kh, d), state.k_pages_lnpkd.dtype)
-  cache = {"layer": jnp.arange(num_layers, dtype=jnp.int32), "k": new_kv, "v": new_kv}
-  ctx = {"k_pages_lnpkd": state.k_pages_lnpkd, "v_pages_lnpkd": state.v_pages_lnpkd,
-         "page_table_bm": state.page_table_bm, "lengths_b": state.lengths_b}
-  logits_b1v, cache = model.forward(
-      model_cfg, params, state.tokens_b[:, None], state.lengths_b[:, None],
-      attn_fn=_paged_decode_attention, cache=cache, attn_ctx=ctx)
-
-  pos_b = state.lengths_b
-  col_b = jnp.minimum(pos_b // page_size, m - 1)
-  page_b = jnp.take_along_axis(state.page_table_bm, col_b[:, None], axis=1)[:, 0]
-  page_b = jnp.where(state.active_b, page_b, pt.NULL_PAGE)
-  k_pages = state.k_pages_lnpkd.at[:, page_b, pos_b % page_size].set(cache["k"][:, :, 0])
-  v_pages = state.v_pages_lnpkd.at[:, page_b, pos_b % page_size].set(cache["v"][:, :, 0])
-
-  step_keys_b = jax.vmap(lambda raw, pos: jax.random.fold_in(jax.random.wrap_key_data(raw),
-                                                             pos))(state.keys_br, pos_b)
-  tokens_b, logprobs_b = sample_tokens(
-      logits_bv=logits_b1v[:, 0], keys_b=step_keys_b, temperature_b=state.temperature_b,
-      top_k_b=state.top_k_b, top_p_b=state.top_p_b)
-
-  valid_b = state.active_b
-  generated_b = state.generated_b + valid_b
-  hit_stop_b = jnp.zeros_like(valid_b)
-  for stop_id in stop_ids:
-    hit_stop_b |= tokens_b == stop_id
-  stop_b = valid_b & state.stop_on_eos_b & hit_stop_b
-  length_b = valid_b & ~stop_b & (generated_b >= state.max_new_b)
-  finish_b = jnp.where(stop_b, FINISH_STOP, jnp.where(length_b, FINISH_LENGTH, FINISH_NONE))
-  new_state = state._replace(
-      k_pages_lnpkd=k_pages, v_pages_lnpkd=v_pages,
-      lengths_b=state.lengths_b + valid_b,
-      tokens_b=jnp.where(valid_b, tokens_b, state.tokens_b),
-      active_b=valid_b & ~stop_b & ~length_b,
-      generated_b=generated_b)
-  return new_state, (tokens_b, logprobs_b, valid_b, finish_b.astype(jnp.int32))
-
-
-def _generate(params, state, *, model_cfg, stop_ids, page_size, steps):
-  step = functools.partial(_decode_step, model_cfg=model_cfg, params=params,
-                           stop_ids=stop_ids, page_size=page_size)
-  state, (tokens_sb, logprobs_sb, valid_sb, finish_sb) = lax.scan(
-      lambda s, _: step(s), state, None, length=steps)
-  return state, StepOutput(tokens_sb, logprobs_sb, valid_sb, finish_sb, state.generated_b)
-
-
-_SLOT_FIELDS = tuple(f for f in DecodeState._fields if f not in ("k_pages_lnpkd", "v_pages_lnpkd"))
-
-
-def _generate_first(params, state, *, num_slots, **kw):
-  """_generate over slots [0, num_slots) only: with the KV in pages, a smaller batch is
-  just a slice of the per-slot registers."""
-  sub = state._replace(**{f: getattr(state, f)[:num_slots] for f in _SLOT_FIELDS})
-  sub, out = _generate(params, sub, **kw)
-  return state._replace(
-      k_pages_lnpkd=sub.k_pages_lnpkd, v_pages_lnpkd=sub.v_pages_lnpkd,
-      **{f: getattr(state, f).at[:num_slots].set(getattr(sub, f)) for f in _SLOT_FIELDS}), out
-
-
 def _move_slots(state, src_i, dst_i):
   """Move sequences from slots src_i to slots dst_i (registers and page tables only)."""
   moved = {f: getattr(state, f).at[dst_i].set(getattr(state, f)[src_i], mode="drop")
-           for f in _SLOT_FIELDS}
+           for f in decode.SLOT_FIELDS}
   moved["active_b"] = moved["active_b"].at[src_i].set(False, mode="drop")
   return state._replace(**moved)
 
 
-def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
-  t = padded_tokens_t.shape[0]
-  positions_1t = jnp.arange(t, dtype=jnp.int32)[None]
+def _prompt_kv(params, tokens_nt, *, model_cfg, kv_dtype):
+  """K/V of n right-padded prompts, each [l, k, n, t, d] (causal: padding after a
+  prompt does not change its positions)."""
+  positions_nt = jnp.broadcast_to(jnp.arange(tokens_nt.shape[1], dtype=jnp.int32),
+                                  tokens_nt.shape)
   # Logits are not returned, so XLA drops the vocabulary projection.
-  _, (k_l1tkd, v_l1tkd) = model.forward(model_cfg, params, padded_tokens_t[None],
-                                        positions_1t, attn_fn=functools.partial(
+  _, (k_lntkd, v_lntkd) = model.forward(model_cfg, params, tokens_nt, positions_nt,
+                                        attn_fn=functools.partial(
                                             _prefill_attention,
                                             implementation=model_cfg.attention))
-  return Prefix(k_l1tkd[:, 0].astype(kv_dtype), v_l1tkd[:, 0].astype(kv_dtype),
+  return (k_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype),
+          v_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype))
+
+
+def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
+  k_lkntd, v_lkntd = _prompt_kv(params, padded_tokens_t[None], model_cfg=model_cfg,
+                                kv_dtype=kv_dtype)
+  return Prefix(k_lkntd[:, :, 0], v_lkntd[:, :, 0],
                 padded_tokens_t[true_length - 1].astype(jnp.int32),
                 jnp.asarray(true_length, jnp.int32))
 
 
-def _write_prefix(state, prefix, pages_m, *, page_size):
-  """Scatter prompt positions 0..true_length-2 into pages_m (page j holds positions
-  j*p .. j*p+p-1); the rest of the bucket goes to the null page."""
-  t = prefix.k_ltkd.shape[1]
-  m = pages_m.shape[0]
+def _layer_values(pools, x_l):
+  """x_l split per layer when the pools are a per-layer tuple, else x_l itself."""
+  return tuple(x_l[i] for i in range(len(pools))) if isinstance(pools, tuple) else x_l
+
+
+def _scatter_prompts(state, k_lkntd, v_lkntd, true_length_n, pages_nm, *, page_size):
+  """Scatter positions 0..true_length-2 of each prompt n into its pages pages_nm[n]
+  (page j holds positions j*p .. j*p+p-1); the rest goes to the null page."""
+  t = k_lkntd.shape[3]
+  m = pages_nm.shape[1]
   pos_t = jnp.arange(t)
-  page_t = jnp.where(pos_t < prefix.true_length - 1,
-                     pages_m[jnp.minimum(pos_t // page_size, m - 1)], pt.NULL_PAGE)
+  page_nt = jnp.where(pos_t[None] < true_length_n[:, None] - 1,
+                      pages_nm[:, jnp.minimum(pos_t // page_size, m - 1)], pt.NULL_PAGE)
+  slot_nt = jnp.broadcast_to(pos_t % page_size, page_nt.shape)
+
+  def write(pool, x_kntd):  # pool [..., n_pool, p, d], x [..., n, t, d]
+    return pool.at[..., page_nt, slot_nt, :].set(x_kntd)
+
   return state._replace(
-      k_pages_lnpkd=state.k_pages_lnpkd.at[:, page_t, pos_t % page_size].set(prefix.k_ltkd),
-      v_pages_lnpkd=state.v_pages_lnpkd.at[:, page_t, pos_t % page_size].set(prefix.v_ltkd))
+      k_pages=jax.tree.map(write, state.k_pages, _layer_values(state.k_pages, k_lkntd)),
+      v_pages=jax.tree.map(write, state.v_pages, _layer_values(state.v_pages, v_lkntd)))
+
+
+def _write_prefix(state, prefix, pages_m, *, page_size):
+  return _scatter_prompts(state, prefix.k_lktd[:, :, None], prefix.v_lktd[:, :, None],
+                          prefix.true_length[None], pages_m[None], page_size=page_size)
+
+
+def _prefill_into_pages(params, state, tokens_nt, true_length_n, pages_nm, *, model_cfg,
+                        kv_dtype, page_size):
+  """Prefill n prompts and write their cached positions into their pages, one program."""
+  k_lkntd, v_lkntd = _prompt_kv(params, tokens_nt, model_cfg=model_cfg, kv_dtype=kv_dtype)
+  return _scatter_prompts(state, k_lkntd, v_lkntd, true_length_n, pages_nm,
+                          page_size=page_size)
 
 
 def _insert(state, ins: InsertBatch):
   # Copy-on-write of the partial last prompt page: every new sequence writes its own
   # tokens after the prompt, so it gets a private copy before its first step.
-  k_pages = state.k_pages_lnpkd.at[:, ins.copy_dst_i].set(state.k_pages_lnpkd[:, ins.copy_src_i])
-  v_pages = state.v_pages_lnpkd.at[:, ins.copy_dst_i].set(state.v_pages_lnpkd[:, ins.copy_src_i])
+  def copy(pool):  # pool [..., n, p, d]
+    return pool.at[..., ins.copy_dst_i, :, :].set(pool[..., ins.copy_src_i, :, :])
+
+  k_pages, v_pages = jax.tree.map(copy, state.k_pages), jax.tree.map(copy, state.v_pages)
   keys_ir = jax.vmap(lambda seed, j: jax.random.key_data(
       jax.random.fold_in(jax.random.key(seed), j)))(ins.seed_i, ins.sample_index_i)
 
@@ -304,7 +208,7 @@ def _insert(state, ins: InsertBatch):
     return x.at[ins.slot_i].set(v.astype(x.dtype), mode="drop")
 
   return state._replace(
-      k_pages_lnpkd=k_pages, v_pages_lnpkd=v_pages,
+      k_pages=k_pages, v_pages=v_pages,
       page_table_bm=put(state.page_table_bm, ins.page_table_im),
       lengths_b=put(state.lengths_b, ins.length_i),
       tokens_b=put(state.tokens_b, ins.token_i),
@@ -331,24 +235,32 @@ def _set_page_rows(state, slot_i, page_table_im):
       page_table_bm=state.page_table_bm.at[slot_i].set(page_table_im, mode="drop"))
 
 
+def _pow2_buckets(largest: int) -> tuple[int, ...]:
+  """Powers of two below `largest`, then `largest`."""
+  return tuple(sorted({b for b in (2 ** i for i in range(31)) if b < largest} | {largest}))
+
+
 class Engine:
   """Paged decode engine: JetStream's Engine methods plus rl_jax's page/log-prob extras.
 
   JetStream-shaped: load_params, init_decode_state, prefill, insert, generate,
   free_resource, max_concurrent_decodes, samples_per_slot, max_prefill_length, mesh,
   get_tokenizer. rl_jax extras used by the Generator: write_prefix (one prefill shared
-  by many slots), insert_many (start many sequences in one call, with copy-on-write of
+  by many slots), prefill_into_pages (many prompts prefilled and written in one call),
+  insert_many (start many sequences in one call, with copy-on-write of
   a partial page), set_page_rows (grow page tables), free_slots, move_slots and
-  generate(num_slots=k) (decode only the first k slots when few are busy), pad_tokens.
+  generate(num_slots=k, num_pages=w, live=...) (decode only the first k slots when few
+  are busy, reading only the pages they use), pad_tokens.
   Every device method is jitted once per input shape (prefill once per length bucket,
-  generate once per slot bucket).
+  generate once per (slot bucket, page-width bucket) pair it is called with).
   """
 
   def __init__(self, model_cfg: model.ModelConfig, *, mesh: Mesh,
                max_concurrent_decodes: int, page_size: int, num_pages: int,
-               max_prefill_length: int, max_new_tokens: int, dtype: str = "float32",
+               max_prefill_length: int, max_new_tokens: int, dtype: str = "auto",
                steps_per_call: int = 1, stop_ids: Sequence[int] | None = None,
-               tokenizer: Any = None, rules: shd.Rules = shd.SAMPLE_RULES):
+               tokenizer: Any = None, rules: shd.Rules = shd.SAMPLE_RULES,
+               layers: str = "auto", attention: str = "auto"):
     if mesh.shape.get("fsdp", 1) != 1:
       raise ValueError("the sampler mesh must have fsdp=1")
     for name, value in (("max_concurrent_decodes", max_concurrent_decodes),
@@ -356,7 +268,10 @@ class Engine:
                         ("max_new_tokens", max_new_tokens), ("steps_per_call", steps_per_call)):
       if value < 1:
         raise ValueError(f"sampler.{name} must be >= 1, got {value}")
+    dtype = resolve_dtype(dtype)
     self.model_cfg = model_cfg.replace(dtype=dtype, param_dtype=dtype)
+    self.layers = decode.resolve_layers(layers)
+    self.attention = decode.resolve_attention(attention)
     self.tokenizer = tokenizer
     self.stop_ids = tuple(sorted(int(i) for i in (
         stop_ids if stop_ids is not None else
@@ -376,40 +291,44 @@ class Engine:
     self.prefill_buckets = tuple(sorted(
         {b for b in (2 ** i for i in range(4, 20)) if b < self._max_prefill_length} |
         {self._max_prefill_length}))
+    # generate runs over the first k slots and the first w page-table columns only.
+    self.slot_buckets = _pow2_buckets(self._slots)
+    self.page_buckets = _pow2_buckets(self.pages_per_seq)
+    # Live-page counts: powers of two and 1.5x powers of two (at most 1/3 padding).
+    self.live_buckets = tuple(sorted(
+        {b for i in range(31) for b in (2 ** i, 3 * 2 ** i)
+         if b < self._slots * self.pages_per_seq} | {self._slots * self.pages_per_seq}))
 
     cfg = self.model_cfg
     param_shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
     self.param_shardings = shd.tree_shardings(model.param_logical_axes(cfg), param_shapes,
                                               mesh, rules)
     self.state_shardings = self._state_shardings()
-    rep = shd.replicated(mesh)
     self.output_shardings = self._output_shardings(self._slots)
-    # generate can run over the first k slots only; k is one of these.
-    self.slot_buckets = tuple(sorted(
-        {b for b in (2 ** i for i in range(20)) if b < self._slots} | {self._slots}))
-    prefix_sh = self._sharding(_PREFIX_AXES, (cfg.num_layers, self._max_prefill_length,
-                                              cfg.num_kv_heads, cfg.head_dim))
-    self.prefix_shardings = Prefix(prefix_sh, prefix_sh, rep, rep)
-    ins_sh = InsertBatch(*([rep] * len(InsertBatch._fields)))
-    st = self.state_shardings
+    prefix_sh = self._sharding(_PREFIX_AXES, (cfg.num_layers, cfg.num_kv_heads,
+                                              self._max_prefill_length, cfg.head_dim))
+    self.prefix_shardings = Prefix(prefix_sh, prefix_sh, shd.replicated(mesh),
+                                   shd.replicated(mesh))
+    self._generate: dict[tuple[int, int], Any] = {}  # (k, w) -> jitted, built on first use
+    self._build_programs()
 
+  def _build_programs(self) -> None:
+    cfg, st, rep = self.model_cfg, self.state_shardings, shd.replicated(self._mesh)
+    ins_sh = InsertBatch(*([rep] * len(InsertBatch._fields)))
     self._init_params = jax.jit(functools.partial(model.init_params, cfg),
                                 in_shardings=rep, out_shardings=self.param_shardings)
     self._init_state = jax.jit(self._zero_state, in_shardings=(), out_shardings=st)
-    self._generate = {
-        k: jax.jit(
-            functools.partial(_generate_first, num_slots=k, model_cfg=cfg,
-                              stop_ids=self.stop_ids, page_size=self.page_size,
-                              steps=self.steps_per_call),
-            in_shardings=(self.param_shardings, st),
-            out_shardings=(st, self._output_shardings(k)), donate_argnums=(1,))
-        for k in self.slot_buckets}
     self._prefill = jax.jit(
         functools.partial(_prefill, model_cfg=cfg, kv_dtype=self.kv_dtype),
         in_shardings=(self.param_shardings, rep, rep), out_shardings=self.prefix_shardings)
     self._write_prefix = jax.jit(
         functools.partial(_write_prefix, page_size=self.page_size),
         in_shardings=(st, self.prefix_shardings, rep), out_shardings=st, donate_argnums=(0,))
+    self._prefill_pages = jax.jit(
+        functools.partial(_prefill_into_pages, model_cfg=cfg, kv_dtype=self.kv_dtype,
+                          page_size=self.page_size),
+        in_shardings=(self.param_shardings, st, rep, rep, rep), out_shardings=st,
+        donate_argnums=(1,))
     self._insert = jax.jit(_insert, in_shardings=(st, ins_sh), out_shardings=st,
                            donate_argnums=(0,))
     self._free = jax.jit(_free_slots, in_shardings=(st, rep), out_shardings=st,
@@ -419,22 +338,51 @@ class Engine:
     self._move = jax.jit(_move_slots, in_shardings=(st, rep, rep), out_shardings=st,
                          donate_argnums=(0,))
 
+  def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0):
+    """The jitted generate over slots [0, num_slots) and page columns [0, num_pages);
+    with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets)."""
+    key = (int(num_slots), int(num_pages), int(num_live))
+    ragged = self.attention == "ragged"
+    if (key[0] not in self.slot_buckets or key[1] not in self.page_buckets or
+        (key[2] not in self.live_buckets if ragged else key[2])):
+      raise ValueError(f"num_slots must be one of {self.slot_buckets} and num_pages one "
+                       f"of {self.page_buckets}, got {num_slots}, {num_pages} ({num_live} "
+                       f"live pages, attention {self.attention})")
+    if key not in self._generate:
+      rep = shd.replicated(self._mesh)
+      self._generate[key] = jax.jit(
+          functools.partial(decode.generate, num_slots=key[0], num_pages=key[1],
+                            steps=self.steps_per_call, model_cfg=self.model_cfg,
+                            stop_ids=self.stop_ids, layers=self.layers,
+                            attention=self.attention),
+          in_shardings=(self.param_shardings, self.state_shardings) + ((rep,) if ragged else ()),
+          out_shardings=(self.state_shardings, self._output_shardings(key[0])),
+          donate_argnums=(1,))
+    return self._generate[key]
+
+  def page_bucket(self, max_positions: int) -> int:
+    """The smallest page-width bucket whose pages hold `max_positions` positions."""
+    need = pt.pages_for(max(int(max_positions), 1), self.page_size)
+    return next((w for w in self.page_buckets if w >= need), self.pages_per_seq)
+
   @classmethod
   def from_config(cls, sampler_cfg, model_cfg: model.ModelConfig, *, mesh: Mesh,
                   tokenizer: Any = None) -> Engine:
     """An engine from the `sampler` config section; num_pages 0 derives the pool size
     from kv_cache_bytes (per sampler replica)."""
+    dtype = resolve_dtype(sampler_cfg.dtype)
     num_pages = int(sampler_cfg.num_pages) or pt.num_pages_for_budget(
         kv_cache_bytes=int(sampler_cfg.kv_cache_bytes), num_layers=model_cfg.num_layers,
         num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
-        page_size=int(sampler_cfg.page_size),
-        dtype_bytes=jnp.dtype(sampler_cfg.dtype).itemsize)
+        page_size=int(sampler_cfg.page_size), dtype_bytes=jnp.dtype(dtype).itemsize)
     return cls(model_cfg, mesh=mesh,
                max_concurrent_decodes=int(sampler_cfg.max_concurrent_decodes),
                page_size=int(sampler_cfg.page_size), num_pages=num_pages,
                max_prefill_length=int(sampler_cfg.max_prefill_length),
-               max_new_tokens=int(sampler_cfg.max_new_tokens), dtype=sampler_cfg.dtype,
-               steps_per_call=int(sampler_cfg.steps_per_call), tokenizer=tokenizer)
+               max_new_tokens=int(sampler_cfg.max_new_tokens), dtype=dtype,
+               steps_per_call=int(sampler_cfg.steps_per_call), tokenizer=tokenizer,
+               layers=sampler_cfg.get("layers", "auto"),
+               attention=sampler_cfg.get("attention", "auto"))
 
   def _output_shardings(self, num_slots: int) -> StepOutput:
     s_b = self._sharding((None, "batch"), (self.steps_per_call, num_slots))
@@ -445,8 +393,12 @@ class Engine:
 
   def _state_shapes(self) -> DecodeState:
     cfg, b = self.model_cfg, self._slots
-    pool = jax.ShapeDtypeStruct((cfg.num_layers, self.num_pages, self.page_size,
-                                 cfg.num_kv_heads, cfg.head_dim), self.kv_dtype)
+    layer_pool = (cfg.num_kv_heads, self.num_pages, self.page_size, cfg.head_dim)
+    if self.layers == "unrolled":
+      pool = tuple(jax.ShapeDtypeStruct(layer_pool, self.kv_dtype)
+                   for _ in range(cfg.num_layers))
+    else:
+      pool = jax.ShapeDtypeStruct((cfg.num_layers,) + layer_pool, self.kv_dtype)
     raw_key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
 
     def vec(dtype):
@@ -460,9 +412,16 @@ class Engine:
 
   def _state_shardings(self) -> DecodeState:
     shapes = self._state_shapes()
-    return DecodeState(*[
-        self._sharding(_POOL_AXES if x.ndim == 5 else ("batch",) + (None,) * (x.ndim - 1),
-                       x.shape) for x in shapes])
+
+    def pool_sharding(x):
+      axes = _LAYER_POOL_AXES if x.ndim == 4 else ("layers",) + _LAYER_POOL_AXES
+      return self._sharding(axes, x.shape)
+
+    return shapes._replace(
+        k_pages=jax.tree.map(pool_sharding, shapes.k_pages),
+        v_pages=jax.tree.map(pool_sharding, shapes.v_pages),
+        **{f: self._sharding(("batch",) + (None,) * (getattr(shapes, f).ndim - 1),
+                             getattr(shapes, f).shape) for f in decode.SLOT_FIELDS})
 
   def _zero_state(self) -> DecodeState:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._state_shapes())
@@ -505,6 +464,25 @@ class Engine:
   def write_prefix(self, prefix: Prefix, decode_state: DecodeState, *, pages) -> DecodeState:
     """Write a prefix's cached positions into `pages` (one id per page of prompt)."""
     return self._write_prefix(decode_state, prefix, pt.page_table_row(pages, self.pages_per_seq))
+
+  def prefill_into_pages(self, params: Any, decode_state: DecodeState, prompts: Sequence,
+                         pages: Sequence) -> DecodeState:
+    """Prefill several prompts in one call and write each one's cached positions (all
+    but its last token) into its `pages`. The batch is padded to a power of two and
+    the prompts to the longest one's length bucket: one program per pair of buckets."""
+    if not prompts or len(prompts) != len(pages):
+      raise ValueError(f"need one page list per prompt, got {len(prompts)} and {len(pages)}")
+    padded = [self.pad_tokens(p) for p in prompts]
+    t = max(len(x) for x, _ in padded)
+    n = 1 << (len(padded) - 1).bit_length()
+    tokens_nt = np.full((n, t), self.model_cfg.pad_id, np.int32)
+    true_n = np.ones((n,), np.int32)
+    pages_nm = np.full((n, self.pages_per_seq), pt.NULL_PAGE, np.int32)
+    for i, ((x, length), pg) in enumerate(zip(padded, pages)):
+      tokens_nt[i, :len(x)] = x
+      true_n[i] = length
+      pages_nm[i] = pt.page_table_row(pg, self.pages_per_seq)
+    return self._prefill_pages(params, decode_state, tokens_nt, true_n, pages_nm)
 
   def insert_many(self, decode_state: DecodeState, entries: Sequence[dict]) -> DecodeState:
     """Start several sequences in one call.
@@ -558,13 +536,27 @@ class Engine:
         stop_on_eos=stop_on_eos, seed=seed, sample_index=sample_index, sampling=sampling)])
 
   def generate(self, params: Any, decode_state: DecodeState, *,
-               num_slots: int | None = None) -> tuple[DecodeState, StepOutput]:
+               num_slots: int | None = None, num_pages: int | None = None,
+               live=None) -> tuple[DecodeState, StepOutput]:
     """steps_per_call decode steps in one call, over all slots or over the first
-    `num_slots` (one of slot_buckets; StepOutput then has num_slots columns)."""
+    `num_slots` (one of slot_buckets; StepOutput then has num_slots columns), reading
+    all page-table columns or the first `num_pages` (one of page_buckets: every busy
+    slot's positions this call must lie in those pages, see page_bucket). With
+    attention "ragged", `live` = (slots, columns) lists the page-table cells busy slots
+    read this call (all cells of the first num_slots rows when None)."""
     k = self._slots if num_slots is None else int(num_slots)
-    if k not in self._generate:
-      raise ValueError(f"num_slots must be one of {self.slot_buckets}, got {num_slots}")
-    return self._generate[k](params, decode_state)
+    w = self.pages_per_seq if num_pages is None else int(num_pages)
+    if self.attention != "ragged":
+      return self.generate_program(k, w)(params, decode_state)
+    if live is None:  # every column of every slot
+      live = (np.repeat(np.arange(k), w), np.tile(np.arange(w), k))
+    w = self.pages_per_seq  # only the KV writes read the table: one width
+    slot_u, col_u = (np.asarray(x, np.int32).reshape(-1) for x in live)
+    u = next(n for n in self.live_buckets if n >= max(slot_u.shape[0], 1))
+    pad = u - slot_u.shape[0]
+    slot_u = np.concatenate([slot_u, np.zeros((pad,), np.int32)])
+    col_u = np.concatenate([col_u, np.full((pad,), -1, np.int32)])
+    return self.generate_program(k, w, u)(params, decode_state, (slot_u, col_u))
 
   def move_slots(self, decode_state: DecodeState, src, dst) -> DecodeState:
     """Move the sequences in slots `src` to the idle slots `dst` (their pages stay)."""

@@ -5,7 +5,8 @@ Shape letters: s decode steps per generate call, b decode slots.
 One `step()` is one scheduling iteration:
   1. swap in weights published by `update_params` (see below);
   2. fill free slots: a group (one prompt, G samples) is prefilled once when its turn
-     comes and its samples are inserted as slots free up; the samples share the full
+     comes (all groups admitted in one iteration share one prefill call) and its
+     samples are inserted as slots free up; the samples share the full
      prompt pages and each gets a private copy of the partial last prompt page;
   3. give every running sequence the pages its next `steps_per_call` tokens need;
   4. run one generate call and hand finished sequences back as rl_jax.types.Rollout
@@ -77,7 +78,9 @@ class _Seq:
   slot: int
   pages: list
   length: int  # tokens in the cache
-  cache_limit: int  # the cache never holds more (the last sampled token is never cached)
+  cache_limit: int  # the cache never holds more: cached prompt + max_new (every decode
+  # input is cached, the last sampled token is not, and the first input is the last
+  # prompt token)
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
@@ -268,7 +271,12 @@ class Generator:
     if self.num_active:
       version = self._version
       num_slots = self._compact()
-      self._state, out = self.engine.generate(self._params, self._state, num_slots=num_slots)
+      # Attention reads only the page-table columns the longest busy sequence reaches.
+      width = self.engine.page_bucket(max(self._call_positions(s) for s in self._slots
+                                          if s is not None))
+      self._state, out = self.engine.generate(self._params, self._state,
+                                              num_slots=num_slots, num_pages=width,
+                                              live=self._live_pages())
       self.generate_calls += 1
       finished = self._consume(jax.device_get(out), version)
     self.busy_s += time.perf_counter() - t0
@@ -291,7 +299,7 @@ class Generator:
     # its own first call fits beside them. Longer-term growth is not reserved: when the
     # pool runs dry, _grow_pages preempts the youngest group.
     reserve = sum(self._pages_short(s) for s in self._slots if s is not None)
-    inserts, exhausted = [], []
+    inserts, exhausted, prefills = [], [], []
     admitting = True
     for g in list(self._groups):
       if not free:
@@ -299,7 +307,7 @@ class Generator:
       if not g.waiting:
         continue
       cached = g.prompt.shape[0] - 1
-      first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens - 1),
+      first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens),
                                 eng.page_size) - g.num_full
       if g.prefix_pages is None:
         if not admitting:
@@ -310,14 +318,14 @@ class Generator:
         if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
           admitting = False  # first come, first served for new prompts
           continue
-        self._prefill(g)
+        self._prefill(g, prefills)
       while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
         alloc.share(shared)
         seq = _Seq(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
                    pages=[int(p) for p in shared] + [int(p) for p in private],
-                   length=cached, cache_limit=cached + g.max_new_tokens - 1)
+                   length=cached, cache_limit=cached + g.max_new_tokens)
         self._slots[seq.slot] = seq
         g.running += 1
         reserve += self._pages_short(seq)
@@ -328,25 +336,41 @@ class Generator:
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
       if not g.waiting:
         exhausted.append(g)
+    if prefills:  # before the inserts copy their template pages
+      self._state = eng.prefill_into_pages(self._params, self._state,
+                                           [g.prompt for g in prefills],
+                                           [g.prefix_pages for g in prefills])
     if inserts:
       self._state = eng.insert_many(self._state, inserts)
     # Only after the inserts above have read the template pages.
     for g in exhausted:
       self._release_prefix(g)
 
+  def _call_positions(self, seq: _Seq) -> int:
+    """Positions `seq`'s cache may hold after the next generate call."""
+    return min(seq.length + self.engine.steps_per_call, seq.cache_limit)
+
+  def _live_pages(self):
+    """(slots, columns) of every page a busy sequence may read in the next call, for
+    "ragged" attention (None otherwise)."""
+    if self.engine.attention != "ragged":
+      return None
+    busy = [s for s in self._slots if s is not None]
+    counts = [pt.pages_for(self._call_positions(s), self.engine.page_size) for s in busy]
+    slots = np.repeat([s.slot for s in busy], counts)
+    cols = np.concatenate([np.arange(n) for n in counts])
+    return slots, cols
+
   def _pages_short(self, seq: _Seq) -> int:
     """Pages `seq` lacks for the tokens its next generate call may cache."""
-    target = min(seq.length + self.engine.steps_per_call, seq.cache_limit)
-    return max(pt.pages_for(target, self.engine.page_size) - len(seq.pages), 0)
+    need = pt.pages_for(self._call_positions(seq), self.engine.page_size)
+    return max(need - len(seq.pages), 0)
 
-  def _prefill(self, g: _Group) -> None:
-    eng = self.engine
+  def _prefill(self, g: _Group, batch: list) -> None:
+    """Take the group's prompt pages; its prompt joins `batch`, prefilled in one call."""
     g.prefix_pages = self.allocator.allocate(g.num_full + g.partial)
-    if not g.prefix_pages.size:
-      return  # a one-token prompt caches nothing: its token is the first decode input
-    padded, n = eng.pad_tokens(g.prompt)
-    prefix = eng.prefill(params=self._params, padded_tokens=padded, true_length=n)
-    self._state = eng.write_prefix(prefix, self._state, pages=g.prefix_pages)
+    if g.prefix_pages.size:  # a one-token prompt caches nothing: its token is the first input
+      batch.append(g)
 
   def _release_prefix(self, g: _Group) -> None:
     if g.prefix_pages is not None:
@@ -404,6 +428,7 @@ class Generator:
     self.preemptions += 1
 
   def _consume(self, out: engine_lib.StepOutput, version: int) -> list[Rollout]:
+    """Append each busy slot's tokens of this call (one slice per slot, not per token)."""
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
@@ -412,21 +437,20 @@ class Generator:
       # Host and device disagree about which slots decode: fail now, not spin forever.
       raise RuntimeError(f"decode slots {busy} are busy on the host but the device "
                          f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
-    for s in range(valid_sb.shape[0]):
-      for b in np.flatnonzero(valid_sb[s]):
-        seq = self._slots[b]
-        if seq is None:
-          continue
-        if not seq.tokens:
-          seq.first_token = now
-        seq.tokens.append(int(out.tokens_sb[s, b]))
-        seq.logprobs.append(float(out.logprobs_sb[s, b]))
-        seq.versions.append(version)
-        seq.length += 1
-        self.tokens_generated += 1
-        reason = _REASONS.get(int(out.finish_sb[s, b]))
-        if reason is not None:
-          finished.append(self._end(seq, reason, now))
+    # A slot decodes a prefix of the call's steps: valid until it finishes.
+    counts_b = valid_sb.sum(axis=0)
+    for b in busy:
+      seq, n = self._slots[b], int(counts_b[b])
+      if not seq.tokens:
+        seq.first_token = now
+      seq.tokens.extend(out.tokens_sb[:n, b].tolist())
+      seq.logprobs.extend(out.logprobs_sb[:n, b].tolist())
+      seq.versions.extend([version] * n)
+      seq.length += n
+      self.tokens_generated += n
+      reason = _REASONS.get(int(out.finish_sb[n - 1, b]))
+      if reason is not None:
+        finished.append(self._end(seq, reason, now))
     return finished
 
   def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
