@@ -19,23 +19,18 @@ its page, attends over the slot's pages, samples the next token and advances. So
 the first decode step, which returns the first completion token (JetStream 0.2.2
 semantics: the first token comes from the first generate).
 
-Sampling (per slot, on device): temperature <= 0 is greedy; otherwise logits / T,
-then top-k (k > 0) and top-p (p < 1) truncation, then a categorical draw with the key
-fold_in(fold_in(key(seed), sample_index), position), so a request's tokens depend on
-its seed and not on which slot or batch it ran in. The returned log-prob is that of
-the sampled token under the distribution actually sampled from (after temperature and
-truncation); with the default temperature 1, top_k 0, top_p 1 this is the model's own
-log-softmax. Greedy slots report the model's temperature-1 log-prob of the argmax
-token (the point mass they sample from carries no information).
+Sampling (per slot, on device; decode.sample_tokens): temperature <= 0 is greedy,
+otherwise temperature, top-k, top-p, then a categorical draw keyed by
+fold_in(fold_in(key(seed), sample_index), position), so a request's tokens do not depend
+on its slot or batch. The log-prob is the sampled token's under the distribution sampled
+from; greedy slots report the model's temperature-1 log-prob of the argmax token.
 
 Page ownership is host-side (page_table.py); the engine only follows page tables. Page
 `NULL_PAGE` absorbs the writes of idle slots. A sequence that may sample n tokens after
 c cached prompt tokens needs pages for c + n positions (every decode input is cached).
 
-Programs: generate is compiled per (slot bucket, page-width bucket) pair, both powers
-of two capped at their maxima, so at most log2(slots) x log2(pages per sequence)
-programs; each reads only its `w` page-table columns. `sampler.dtype` "auto" is
-bfloat16 on GPU/TPU and float32 on CPU.
+Programs: generate compiles per (slot bucket, page-width bucket) pair (Engine.__init__).
+`sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
 
@@ -52,11 +47,8 @@ from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.sampler import decode
 from rl_jax.sampler import page_table as pt
-
-# Re-exported: the engine's public names.
-DecodeState, StepOutput, sample_tokens = decode.DecodeState, decode.StepOutput, decode.sample_tokens
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH = (decode.FINISH_NONE, decode.FINISH_STOP,
-                                           decode.FINISH_LENGTH)
+from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
+                                   DecodeState, StepOutput, sample_tokens)  # (re-exported)
 
 _LAYER_POOL_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
 _PREFIX_AXES = ("layers", "kv_heads", "length", "head_dim")
