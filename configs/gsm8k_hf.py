@@ -67,7 +67,10 @@ def get_config(arg=None):
   c.model.path = ""  # required: --config.model.path=/path/to/checkpoint
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"
-  c.model.remat = True
+  # Keep weight-matmul outputs, recompute the rest ("full" recomputes everything and
+  # saves more memory; AOT peaks per policy in notes/PERFORMANCE.md).
+  c.model.remat = "dots"
+  c.model.attention = "auto"  # cuDNN flash attention on GPU (bf16), splash on TPU
 
   c.mesh.colocated = True
   c.mesh.sampler.data, c.mesh.sampler.tensor = devices, 1
@@ -85,6 +88,7 @@ def get_config(arg=None):
 
   s = c.sampler
   s.dtype = "bfloat16"
+  s.layers = "auto"  # unrolled decode layers on accelerators
   s.max_concurrent_decodes = 256
   s.page_size = 64
   s.num_pages = 0
@@ -103,6 +107,7 @@ def get_config(arg=None):
   t.grad_clip = 1.0
   t.micro_batch_size = micro_batch * devices
   t.length_buckets = (512, 640, 768, 896)
+  t.logprob_chunk_len = 128  # lm head + logsumexp per 128 positions: no [b, t, 152k] tensor
   t.loss_agg = "token_mean"
   t.eps_low, t.eps_high = 0.2, 0.28
   t.tis_cap = 2.0
