@@ -32,8 +32,7 @@ def _main(argv):
   if cli.print_help(argv, __doc__):
     return 0
   cfg, rest = config_lib.parse_args(argv)
-  config_lib.check_domains(cfg)
-  config_lib.check_inputs(cfg)
+  config_lib.check_before_jax(cfg)
   p = cli.ArgumentParser(description=__doc__)
   p.add_argument("--devices", type=int)
   p.add_argument("--profile")

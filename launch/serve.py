@@ -22,8 +22,7 @@ def _main(argv):
   if cli.print_help(argv, __doc__):
     return 0
   cfg, rest = config_lib.parse_args(argv)
-  config_lib.check_domains(cfg)
-  config_lib.check_inputs(cfg)
+  config_lib.check_before_jax(cfg)
   parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--port", type=int, default=9000)
   parser.add_argument("--temperature", type=float, default=0.0)

@@ -29,8 +29,7 @@ def _main(argv):
   parser.add_argument("--overwrite", action="store_true",
                       help="delete the run files already in --workdir and start over")
   args = parser.parse_args(rest)
-  config_lib.check_domains(cfg)  # the checks that need no devices, before jax starts
-  config_lib.check_inputs(cfg)
+  config_lib.check_before_jax(cfg)
   lock = workdir_lib.claim(args.workdir, cfg, overwrite=args.overwrite)
   from rl_jax.orchestration import runtime
   runtime.prepare_host_devices(cfg)  # before jax initialises: CPU runs get fake devices

@@ -110,16 +110,6 @@ def run_config_from_dict(saved: dict):
   return cfg
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, prefix + k + "."))
-    else:
-      out[prefix + k] = list(v) if isinstance(v, tuple) else v
-  return out
-
-
 def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
   """Raises RestoreError naming the first field that makes `saved` (a checkpoint's config
   item) unusable for `cfg`; returns "field: old -> new" for fields that changed harmlessly."""
@@ -132,7 +122,7 @@ def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
       raise RestoreError(
           f"{where} holds a model with {key}={old!r} but this config ({source}) builds "
           f"{key}={new!r}; resume with the checkpoint's model or use a new --workdir")
-  old_run, new_run = _flatten(saved["run"]), _flatten(cfg.to_dict())
+  old_run, new_run = config_lib.flatten(saved["run"]), config_lib.flatten(cfg.to_dict())
   changed = []
   # A field only one side has was added or removed by a code change in between; its
   # value then was the behaviour of the code then, so only shared fields are compared.

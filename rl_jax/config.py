@@ -317,6 +317,24 @@ def check_domains(cfg) -> None:
       raise ConfigError(f"config field {name!r} must be {finite}{rule}{note}; got {value!r}")
 
 
+def check_before_jax(cfg) -> None:
+  """The checks that need no devices (domains, task, model, files): launch scripts run
+  them before JAX starts, so a mistake costs no start-up time."""
+  check_domains(cfg)
+  check_inputs(cfg)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+  """A nested dict (a config's to_dict()) as {"a.b.c": value}, tuples as lists."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, prefix + k + "."))
+    else:
+      out[prefix + k] = list(v) if isinstance(v, tuple) else v
+  return out
+
+
 def check_inputs(cfg) -> None:
   """ConfigError naming the field when the task, model or a file it names cannot be used;
   reads no file beyond checking that it exists and can be opened."""

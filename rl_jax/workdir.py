@@ -30,6 +30,7 @@ import shutil
 import socket
 import time
 
+from rl_jax import config as config_lib
 from rl_jax.errors import UserError
 
 LOCK_FILE = "rl_jax.lock"
@@ -44,26 +45,15 @@ class WorkdirError(UserError):
   """The workdir cannot be used for this run: one sentence naming the path and why."""
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, prefix + k + "."))
-    else:
-      out[prefix + k] = list(v) if isinstance(v, tuple) else v
-  return out
-
-
 def defines_run(key: str) -> bool:
   """Whether two runs whose configs differ in `key` are different runs."""
-  from rl_jax import config as config_lib
   return key in _RUN_IDENTITY or config_lib.resume_must_match(key)
 
 
 def config_difference(saved: dict, cfg) -> tuple[str, object, object] | None:
   """(field, saved value, new value) of the first field that defines the run and
   differs, else None. Fields only one side has (code changes in between) are ignored."""
-  old, new = _flatten(saved), _flatten(cfg.to_dict())
+  old, new = config_lib.flatten(saved), config_lib.flatten(cfg.to_dict())
   for key in sorted(set(old) & set(new)):
     a, b = json.loads(json.dumps(old[key])), json.loads(json.dumps(new[key]))
     if a != b and defines_run(key):
