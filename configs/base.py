@@ -104,6 +104,9 @@ def get_config(arg=None):
   c.verifier.workers = 8
   c.verifier.timeout_s = 5.0
   c.verifier.retries = 1
+  # A group with any verifier error or timeout (after retries): "drop" it (not trained on,
+  # counted as groups_dropped_verifier_error) or train on it with reward 0 ("zero").
+  c.verifier.on_error = "drop"
   c.verifier.latency = "none"  # none | fixed | lognormal | pareto | empirical
   c.verifier.latency_mean_s = 0.0
   c.verifier.latency_sigma = 1.0  # lognormal sigma

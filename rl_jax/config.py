@@ -395,6 +395,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "trainer.kl_estimator", ("k1", "k3"))
   _choice(cfg, "verifier.backend", ("threads", "processes"))
   _choice(cfg, "verifier.latency", ("none", "fixed", "lognormal", "pareto", "empirical"))
+  _choice(cfg, "verifier.on_error", ("drop", "zero"))
   _choice(cfg, "data.on_long_prompt", ("truncate", "drop"))
   _choice(cfg, "data.on_bad_line", ("skip", "fail"))
   _choice(cfg, "task.matcher", ("exact", "numeric", "regex"))
@@ -409,9 +410,9 @@ def _check_cross_fields(cfg) -> None:
   rl, s, t = cfg.rl, cfg.sampler, cfg.trainer
   if rl.mode == "async":
     from rl_jax.orchestration.policy import StalenessPolicy  # imports no jax
-    _require(StalenessPolicy.from_config(rl).max_inflight >= rl.groups_per_step,
-             f"config field 'rl.max_inflight_groups' ({rl.max_inflight_groups}) must be >= "
-             f"rl.groups_per_step ({rl.groups_per_step}) or the trainer can never fill a batch")
+    stall = StalenessPolicy.from_config(rl).stall_reason()
+    _require(not stall, f"config fields 'rl.max_inflight_groups', 'rl.max_staleness', "
+             f"'rl.groups_per_step', 'rl.weight_sync_every': {stall}")
   _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets)
            and all(isinstance(b, int) and b >= 1 for b in t.length_buckets),
            f"config field 'trainer.length_buckets' must be a non-empty increasing tuple of "

@@ -18,6 +18,14 @@ Names are flat and prefixed by area, following the seed's monitoring table:
   optim/*        loss, pg_loss, grad_norm, update_norm, skipped_nonfinite, learning_rate
   reward/*       train (mean over the trained batch), heldout (greedy, fixed held-out set)
   cost/*         sampler_device_s, trainer_device_s, reward_gain_per_device_hour
+  verifier/*     error_rate (failed calls / results since the last row), timeouts_total,
+                 errors_total
+  data/*         groups_admitted, groups_lost_on_resume (in flight at a resumed cut),
+                 groups_dropped_verifier_error (verifier.on_error="drop"), prompts_dropped
+                 and prompts_truncated (data.on_long_prompt), prompts_skipped_lines (bad
+                 lines of a task file), heldout_prompts_dropped, heldout_prompts_truncated;
+                 running totals, also in summary.json without the prefix
+  checkpoint/*   last_step (newest committed checkpoint step, -1 before one), blocking_s
 
 Staleness of a rollout at consumption = trainer_version - min(token_versions), in
 published policy versions; a group's staleness is the max over its rollouts.

@@ -61,6 +61,7 @@ class Group:
   rollouts: list[Rollout] = dataclasses.field(default_factory=list)
   admitted: float = 0.0
   enqueued: float = 0.0
+  index: int = -1  # the task example's index (task.example(index))
 
   def staleness(self, trainer_version: int) -> int:
     return max(r.staleness(trainer_version) for r in self.rollouts)

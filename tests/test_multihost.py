@@ -166,7 +166,7 @@ def test_leader_failure_stops_every_process_with_one_line(tmp_path):
                                   "verifier.retries": 0, "rl.verifier_patience_s": 3})
   (rc0, _, err0), (rc1, _, err1) = _launch([flags, flags], tmp_path, timeout=200)
   assert rc0 != 0 and rc1 != 0
-  assert _last_line(err0).startswith("error: no completion was verified ok for 3s"), err0[-2000:]
+  assert _last_line(err0).startswith("error: the verifier returned no ok result in 3s"), err0[-2000:]
   assert _last_line(err1).startswith("error: process 0 stopped the run: "), err1[-2000:]
 
 

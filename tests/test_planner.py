@@ -402,8 +402,9 @@ def test_simulation_is_deterministic_and_counts_like_loop():
   assert a.wall_s == b.wall_s and a.staleness_histogram == b.staleness_histogram
   # As in loop.py, groups the trainer has dequeued (held) still count against the limit
   # until released, so a limit below groups_per_step can never fill a batch (the config
-  # check rejects it); one batch in flight runs, more slowly.
-  with pytest.raises(ValueError, match="stalled"):
+  # check rejects it, by the StalenessPolicy rule the simulation applies too); one batch
+  # in flight runs, more slowly.
+  with pytest.raises(ValueError, match="can never publish"):
     planner.simulate(_scenario(max_inflight_groups=4))
   small = planner.simulate(_scenario(max_inflight_groups=8))
   assert small.optimizer_steps == 60 and small.wall_s > a.wall_s

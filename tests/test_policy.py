@@ -41,6 +41,24 @@ def test_rules():
   assert StalenessPolicy.make(**_rl(max_inflight_groups=5)).max_inflight == 5
 
 
+def test_a_bound_that_can_never_publish_is_refused_by_the_run_and_the_planner():
+  """Async credit returns only at publication: the admission bound must hold the
+  weight_sync_every batches trained before one (#16's hang: max_staleness=0, every 2)."""
+  hang = _rl(max_staleness=0, weight_sync_every=2)
+  reason = StalenessPolicy.make(**hang).stall_reason()
+  assert "rl.groups_per_step x rl.weight_sync_every = 8" in reason
+  assert not StalenessPolicy.make(**_rl(max_staleness=1, weight_sync_every=2)).stall_reason()
+  assert not StalenessPolicy.make(**_rl(mode="sync", max_staleness=0,
+                                        weight_sync_every=2)).stall_reason()
+  cfg, _ = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"),
+                                  "--config.rl.max_staleness=0", "--config.rl.weight_sync_every=2"])
+  with pytest.raises(config_lib.ConfigError, match=r"'rl.max_inflight_groups', "
+                     r"'rl.max_staleness', 'rl.groups_per_step', 'rl.weight_sync_every'"):
+    config_lib.validate(cfg, num_devices=8)
+  with pytest.raises(ValueError, match="can never publish"):
+    _Sim(_scenario(hang, num_steps=2)).run()
+
+
 def test_from_config_matches_the_planner_scenario():
   from rl_jax.planner import capacity
   from rl_jax.planner.models import DEVICES

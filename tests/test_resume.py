@@ -150,6 +150,8 @@ def test_sync_resume_after_sigkill_is_bitwise_identical(sync_runs):
   # ... and learning happened, so the equality is not that of untouched params.
   assert any(not np.array_equal(a, b) for a, b in zip(_params(reference.workdir, 0),
                                                       _params(reference.workdir, 5)))
+  steps = [r["step"] for r in _rows(os.path.join(resumed.workdir, "metrics.jsonl"))]
+  assert steps == [1, 2, 3, 4, 5, 5]  # continued from the checkpoint's step: no duplicates
   rows = {r["step"]: r for r in _rows(os.path.join(resumed.workdir, "metrics.jsonl"))
           if "optim/loss" in r}
   ref_rows = {r["step"]: r for r in _rows(os.path.join(reference.workdir, "metrics.jsonl"))
@@ -205,7 +207,9 @@ def test_async_kill_preempt_and_corruption_lose_only_in_flight_groups(env, tmp_p
   run.wait()
   run = Run(env, workdir, *extra)
   first = run.resumed_step()
-  run.wait_for_new_step(first + 1)
+  # Two steps past the resume, so the step before the one SIGTERM saves (restored below
+  # after the corruption) was written by this resumed run, whatever step it stops at.
+  run.wait_for_new_step(first + 2)
   t0 = time.time()
   run.proc.send_signal(signal.SIGTERM)
   assert run.wait() == cli.EXIT_PREEMPTED, run.err[-3000:]  # not done: a retry resumes it
@@ -223,21 +227,31 @@ def test_async_kill_preempt_and_corruption_lose_only_in_flight_groups(env, tmp_p
   resumes = summary["resumes"]
   assert [r["step"] for r in resumes] == [first, stopped - 1]
   assert resumes[1]["skipped_steps"] == [stopped]
-  lost = 0
+  lost = carried = 0
   for r in resumes:
     state = checkpointer.read_json(r["step"], "loop")
     assert r["groups_lost"] == len(state["lost_group_ids"])
     assert all(g < state["next_group_id"] for g in state["lost_group_ids"])
+    # Verified groups queued at the cut are carried by the checkpoint, not lost.
+    queued = {g["group_id"] for g in state["queued_groups"]["groups"]}
+    assert not queued & set(state["lost_group_ids"])
+    carried += len(queued)
     # One process reads one prompt per group id: a resumed run continues the prompt
     # stream exactly where group ids continue, so no prompt is drawn twice.
     assert state["prompts"]["iterator"]["next_index"] == state["next_group_id"]
     lost += r["groups_lost"]
-  assert lost > 0 and summary["groups_lost_on_resume"] == lost
+  assert lost + carried > 0 and summary["groups_lost_on_resume"] == lost
   assert f"{lost} groups lost on resume" in run.out
+  assert f"{len(state['queued_groups']['groups'])} verified groups queued there are trained" in run.out
+  # Exact accounting across kill, preemption and fallback: every admitted group is
+  # trained, discarded as stale (carried groups too, past the bound), dropped for a
+  # verifier error, lost, or in flight at the end; and no trained group exceeded the bound.
   assert summary["groups_trained"] == 6 * 4
   assert summary["groups_admitted"] == (summary["groups_trained"] +
-                                        summary["groups_discarded_stale"] + lost +
+                                        summary["groups_discarded_stale"] +
+                                        summary["groups_dropped_verifier_error"] + lost +
                                         summary["groups_in_flight_at_end"])
+  assert max(int(k) for k in summary["staleness_histogram"]) <= 2
   assert summary["rollouts_in_flight_at_end"] >= 0
 
 
@@ -265,4 +279,54 @@ def test_worker_failure_saves_and_stops_every_thread(tmp_path, monkeypatch):
   step = int(re.search(r"saved checkpoint step (\d+)", message).group(1))
   assert ck.Checkpointer(str(tmp_path), read_only=True).latest_step() == step
   assert "verifier exploded" in open(tmp_path / "error.log").read()
+  assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]
+
+
+def test_sigterm_without_checkpointing_stops_at_once_with_143(env, tmp_path):
+  run = Run(env, str(tmp_path), "--config.rl.mode=async", "--config.checkpoint.every=0",
+            "--config.checkpoint.grace_period_s=3000", "--config.rl.total_steps=50")
+  run.wait_for_new_step(1)
+  run.proc.send_signal(signal.SIGTERM)
+  assert run.wait() == cli.EXIT_PREEMPTED, run.err[-3000:]  # well before the grace period
+  last = run.out.strip().splitlines()[-1]
+  assert re.fullmatch(r"preempted \(SIGTERM\) after \d+ optimizer steps: checkpointing is off "
+                      r"\(checkpoint.every=0\), so nothing was saved", last), run.out
+  assert "Traceback" not in run.err
+
+
+def test_sigterm_past_the_grace_period_exits_143():
+  code = ("import os, signal, threading, time\n"
+          "from rl_jax.orchestration import checkpointing\n"
+          "checkpointing.catch_sigterm(threading.Event(), 0.5, saves=True)\n"
+          "os.kill(os.getpid(), signal.SIGTERM)\n"
+          "time.sleep(300)  # a save that never finishes\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=TIMEOUT_S)
+  assert proc.returncode == cli.EXIT_PREEMPTED, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: SIGTERM: the checkpoint could not be saved within checkpoint.grace_period_s=0.5s")
+
+
+def test_disk_full_names_the_last_committed_step(tmp_path, monkeypatch):
+  """A save that fails (the disk is full from step 3 on) ends the run in one line that
+  names the newest step that committed, not the step whose write failed."""
+  import orbax.checkpoint as ocp
+  cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
+                                  "--config.metrics.console=false", "--config.rl.eval_every=0"])
+  config_lib.validate(cfg)
+  original = ocp.CheckpointManager.save
+
+  def save(self, step, *args, **kwargs):
+    if step >= 3:
+      raise OSError(28, "No space left on device")
+    return original(self, step, *args, **kwargs)
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+  with pytest.raises(loop.RunError) as info:
+    loop.Pipeline(cfg, str(tmp_path)).run()
+  message = str(info.value)
+  assert message.startswith("writing checkpoint step 3 to ")
+  assert "No space left on device" in message and "\n" not in message
+  assert f"the newest complete checkpoint is checkpoint {tmp_path}/checkpoints/2; " in message
+  assert "failed:" not in message and "trainer" not in message
+  assert ck.Checkpointer(str(tmp_path), read_only=True).latest_step() == 2
   assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -124,7 +124,11 @@ class RunAccounting:
     self.carried: dict[str, list[float]] = {k: [0.0, 0] for k in _SYNC_KEYS}
     self.resumes: list[dict] = []
     self.checkpoint_blocking_s = 0.0
-    self.last_checkpoint_step: int | None = None
+    # Set by the pipeline: the newest checkpoint step whose write has committed
+    # (Checkpointer.last_committed_step), and the prompt sources' counters (prompts_*,
+    # heldout_prompts_*: dropped and truncated prompts, skipped file lines).
+    self.committed_step: Callable[[], int | None] = lambda: None
+    self.data_counters: Callable[[], dict[str, int]] = dict
     self._marks: collections.Counter = collections.Counter()  # counters at the last row
     self._last_row = (0.0, 0, 0, 0, 0)  # time, sampler tokens, trainer tokens, enq, deq
 
@@ -155,6 +159,12 @@ class RunAccounting:
     self.counts["groups_discarded_stale"] += 1
     self.counts["rollouts_discarded_stale"] += len(group.rollouts)
     self.discarded_by_version[min(r.min_version for r in group.rollouts)] += 1
+
+  def dropped(self, group) -> None:
+    """A group not trained on because a verifier call failed (verifier.on_error=drop)."""
+    with self.lock:
+      self.counts["groups_dropped_verifier_error"] += 1
+      self.counts["rollouts_dropped_verifier_error"] += len(group.rollouts)
 
   def trained(self, groups, tm: dict, *, padded: int, step_s: float) -> None:
     self.step_times.append(step_s)
@@ -249,15 +259,17 @@ class RunAccounting:
     self._marks.update(delta)
     results = sum(delta.values())
     blocking, self.checkpoint_blocking_s = self.checkpoint_blocking_s, 0.0
+    committed = self.committed_step()
     return {
+        **{f"data/{k}": v for k, v in self.data_counters().items()},
+        "data/groups_dropped_verifier_error": self.counts["groups_dropped_verifier_error"],
         "verifier/error_rate": (delta["timeout"] + delta["error"]) / results if results else 0.0,
         "verifier/timeouts_total": statuses["timeout"],
         "verifier/errors_total": statuses["error"],
         "data/groups_admitted": self.counts["groups_admitted"],
         "data/groups_lost_on_resume": self.counts["groups_lost_on_resume"],
         "checkpoint/blocking_s": blocking,
-        "checkpoint/last_step": -1 if self.last_checkpoint_step is None
-                                else self.last_checkpoint_step,
+        "checkpoint/last_step": -1 if committed is None else committed,
     }
 
   # -- summary.json ----------------------------------------------------------------
@@ -302,18 +314,23 @@ class RunAccounting:
         "verifier_service_s": self.all_service.values,
         "prompt_tokens_mean": self.prompt_tokens_total / max(c["rollouts_generated"], 1),
         **self.sync_means(),
-        # groups_admitted = trained + discarded_stale + lost_on_resume + in_flight_at_end
+        # groups_admitted = trained + discarded_stale + dropped_verifier_error
+        #                  + lost_on_resume + in_flight_at_end
         "groups_admitted": c["groups_admitted"],
         "groups_trained": sum(self.staleness_hist.values()),
         "groups_discarded_stale": c["groups_discarded_stale"],
+        "groups_dropped_verifier_error": c["groups_dropped_verifier_error"],
+        "rollouts_dropped_verifier_error": c["rollouts_dropped_verifier_error"],
         "groups_lost_on_resume": c["groups_lost_on_resume"],
         "groups_in_flight_at_end": groups_in_flight,
         "rollouts_lost_on_resume": c["rollouts_lost_on_resume"],
         "rollouts_in_flight_at_end": (c["rollouts_generated"] - c["rollouts_trained"] -
                                       c["rollouts_discarded_stale"] -
+                                      c["rollouts_dropped_verifier_error"] -
                                       c["rollouts_lost_on_resume"]),
         "resumes": self.resumes,
-        "last_checkpoint_step": self.last_checkpoint_step,
+        "last_checkpoint_step": self.committed_step(),
+        **self.data_counters(),
     }
 
   # -- checkpoint ------------------------------------------------------------------
@@ -353,5 +370,4 @@ class RunAccounting:
     self.counts["rollouts_lost_on_resume"] += loop["lost_rollouts"]
     self.resumes = loop["resumes"] + [{"step": step, "groups_lost": lost,
                                        "skipped_steps": skipped_steps}]
-    self.last_checkpoint_step = step
     return lost

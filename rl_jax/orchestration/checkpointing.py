@@ -5,18 +5,23 @@ loop state at a cut in the stream of groups: every group id below `next_group_id
 settled (trained, discarded as stale, or lost). Sync mode cuts before the first group not
 yet trained, so a resumed run admits those groups again with the same ids, prompts and
 seeds and, batches being ordered by group id, repeats the uninterrupted run bit for bit.
-Async mode cuts at the last admission; the groups then in flight or queued are lost on
-resume (counted in summary.json, never repeated).
+(Groups dropped for verifier errors in the window are dropped again, and not counted
+twice.) Async mode cuts at the last admission: the verified groups then queued are saved
+with the checkpoint (host-side rollouts, their token versions kept) and queued again on
+resume, so their staleness is counted and bounded as usual; only the groups still being
+generated or verified are lost (counted in summary.json, never repeated).
 
 Faults: SIGTERM saves at the next step boundary and raises Preempted (past
-checkpoint.grace_period_s the process exits without waiting for the save); a failure in
-any thread stops every thread, saves when the trainer state is consistent, and raises
-RunError with one line (the traceback goes to <workdir>/error.log).
+checkpoint.grace_period_s the process exits with status 143 without waiting for the
+save; with checkpointing off it stops at once, there being nothing to save); a failure
+in any thread stops every thread, saves when the trainer state is consistent, and raises
+RunError with one line (an unexpected exception's traceback goes to <workdir>/error.log).
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
-import json
+import io
 import os
 import signal
 import sys
@@ -26,8 +31,63 @@ import traceback
 
 import numpy as np
 
+from rl_jax import cli
 from rl_jax import config as config_lib
+from rl_jax import metrics as metrics_lib
+from rl_jax.errors import UserError
 from rl_jax.orchestration.errors import Preempted, RunError
+from rl_jax.types import Group, Rollout
+
+
+def pack_groups(groups: list[Group]) -> dict:
+  """Verified groups as JSON: per-rollout fields, and the token arrays concatenated in
+  one compressed npz (base64), so a checkpoint's loop item can carry them."""
+  rows = [r for g in groups for r in g.rollouts]
+  arrays = {}
+  for name, dtype in _ROLLOUT_ARRAYS:
+    parts = [np.asarray(getattr(r, name), dtype) for r in rows]
+    arrays[name] = np.concatenate(parts) if parts else np.zeros(0, dtype)
+    arrays[name + "_len"] = np.asarray([len(x) for x in parts], np.int64)
+  buf = io.BytesIO()
+  np.savez_compressed(buf, **arrays)
+  meta = [{"group_id": g.group_id, "index": g.index, "admitted": g.admitted,
+           "rollouts": [_rollout_fields(r) for r in g.rollouts]}
+          for g in groups]
+  return {"groups": meta, "arrays": base64.b64encode(buf.getvalue()).decode("ascii")}
+
+
+def _rollout_fields(r: Rollout) -> dict:
+  out = {f: getattr(r, f) for f in _ROLLOUT_FIELDS}
+  out["reward"] = float(r.reward)
+  out["reward_info"] = {k: float(v) for k, v in r.reward_info.items()}
+  return out
+
+
+def unpack_groups(packed: dict | None, task) -> list[Group]:
+  """pack_groups' groups again (rollouts in their saved order, examples from `task`)."""
+  if not packed or not packed["groups"]:
+    return []
+  data = np.load(io.BytesIO(base64.b64decode(packed["arrays"])))
+  splits = {name: np.split(data[name], np.cumsum(data[name + "_len"])[:-1])
+            for name, _ in _ROLLOUT_ARRAYS}
+  groups, row = [], 0
+  for g in packed["groups"]:
+    rollouts = []
+    for fields in g["rollouts"]:
+      arrays = {name: splits[name][row] for name, _ in _ROLLOUT_ARRAYS}
+      rollouts.append(Rollout(group_id=g["group_id"], **arrays, **fields))
+      row += 1
+    groups.append(Group(group_id=g["group_id"], example=task.example(g["index"]),
+                        prompt_tokens=rollouts[0].prompt_tokens, rollouts=rollouts,
+                        admitted=g["admitted"], index=g["index"]))
+  return groups
+
+
+_ROLLOUT_ARRAYS = (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
+                   ("behavior_logprobs", np.float32), ("token_versions", np.int32))
+_ROLLOUT_FIELDS = ("sample_index", "finish_reason", "reward", "verifier_status", "reward_info",
+                   "completion_text", "admitted", "first_token", "finished", "verified",
+                   "enqueued")
 
 
 def _warn(text: str) -> None:
@@ -59,25 +119,38 @@ class RunCheckpoints:
           loop=self.loop_state(step), heldout=heldout, wait=wait,
           config={"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)})
     p.acc.checkpoint_blocking_s += time.perf_counter() - t0
-    if saved:
-      p.acc.last_checkpoint_step = step
     return saved
+
+  def last_step(self) -> int | None:
+    """The newest checkpoint step whose write has committed; None without one."""
+    return None if self.checkpointer is None else self.checkpointer.last_committed_step()
 
   def loop_state(self, step: int) -> dict:
     """The JSON half of a checkpoint: the cut (module docstring), the trainer-side
     counters and everything summary.json accumulates."""
     import jax
     p = self.p
-    outstanding, prompts_now, next_gid, counts = p.worker.cut_state()
-    if p.policy.sync and outstanding:
-      # Sync groups not yet trained all belong to the next version and were admitted in
-      # id order: cut before the first; they are generated again after a resume.
-      cut = min(outstanding)
-      prompts, lost = outstanding[cut]["prompts"], []
-      counts["groups_admitted"] -= next_gid - cut
-      counts["rollouts_generated"] -= sum(v["rollouts"] for v in outstanding.values())
+    c = p.worker.cut_state()
+    outstanding, counts, cut, prompts = c["outstanding"], c["counts"], c["next_gid"], c["prompts"]
+    queued, lost = [], sorted(outstanding)
+    if p.policy.sync:
+      window = c["sync_window"]
+      if window is not None and window[0] == step:
+        # The next version's window has started; its groups were admitted in id order:
+        # cut before the first, and they (dropped ones included) are generated again
+        # after a resume.
+        cut, prompts = window[1], window[2]
+      dropped = {g: n for g, n in c["dropped"].items() if g >= cut}
+      counts["groups_admitted"] -= c["next_gid"] - cut
+      counts["rollouts_generated"] -= (sum(v["rollouts"] for v in outstanding.values()) +
+                                       sum(dropped.values()))
+      counts["groups_dropped_verifier_error"] -= len(dropped)
+      counts["rollouts_dropped_verifier_error"] -= sum(dropped.values())
+      lost = []
     else:
-      cut, prompts, lost = next_gid, prompts_now, sorted(outstanding)
+      queued = [g for g in c["queued"] if g.group_id in outstanding]
+      carried = {g.group_id for g in queued}
+      lost = [g for g in lost if g not in carried]
     train_step, skipped = jax.device_get((p.state.step, p.state.skipped))
     return {
         "step": step, "train_step": int(train_step), "skipped": int(skipped),
@@ -88,6 +161,7 @@ class RunCheckpoints:
         # index the uninterrupted run reaches at the cut; in async mode it is unused yet.
         "verifier_calls": cut * p.cfg.rl.group_size,
         "lost_group_ids": lost, "lost_rollouts": sum(outstanding[g]["rollouts"] for g in lost),
+        "queued_groups": pack_groups(queued),
         **p.acc.state(counts),
     }
 
@@ -134,33 +208,21 @@ class RunCheckpoints:
     if p.pool is not None:
       p.pool.continue_from(int(loop["verifier_calls"]))
     lost = p.acc.load(loop, step=r.step, skipped_steps=r.skipped_steps)
+    queued = unpack_groups(loop.get("queued_groups"), p.task)
+    p.worker.restore_queued(queued)
     self.truncate_metrics(r.step)
     p.console.message(
         f"resumed from {ck.where(r.step)} (policy version {p.version}); "
+        f"{len(queued)} verified groups queued there are trained now, "
         f"{lost} groups in flight there are lost on resume")
     if changed:
       _warn("warning: config fields changed since the checkpoint: " + "; ".join(changed))
     return loop
 
   def truncate_metrics(self, step: int) -> None:
-    """Drops metrics.jsonl rows after `step` (work a crash threw away) and the final
-    held-out row of a finished run (written again at its end), in place: the writer
-    holds the file open for appending."""
-    path = os.path.join(self.p.workdir, "metrics.jsonl")
-    if not self.p.writer.enabled or not os.path.exists(path):
-      return
-
-    def keep(line):
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:  # the half-written last line of a killed run
-        return False
-      return row["step"] < step or (row["step"] == step and "optim/loss" in row)
-    with open(path, "r+") as f:
-      kept = [line for line in f if keep(line)]
-      f.seek(0)
-      f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
-      f.truncate()
+    """metrics.jsonl continues from `step`: metrics.truncate_after (process 0 writes)."""
+    if self.p.writer.enabled:
+      metrics_lib.truncate_after(os.path.join(self.p.workdir, "metrics.jsonl"), step)
 
   def close(self, failing: bool) -> None:
     """Waits for background saves; a failed write is a RunError unless the run is
@@ -170,45 +232,55 @@ class RunCheckpoints:
     try:
       self.checkpointer.close()
     except Exception as e:  # noqa: BLE001  (whatever the storage layer raises)
-      text = (f"writing a checkpoint to {self.checkpointer.directory} failed: "
-              f"{type(e).__name__}: {e}")
+      text = str(e) if isinstance(e, UserError) else (
+          f"writing a checkpoint to {self.checkpointer.directory} failed: "
+          f"{type(e).__name__}: {e}")
       if not failing:
         raise RunError(text) from e
       _warn(f"warning: {text}")
 
   def abort(self, e: BaseException, step: int, consistent: bool) -> BaseException:
     """The exception run() raises after `e` stopped training at `step` optimizer steps;
-    saves the state first when it is `consistent` (no train step was cut short)."""
-    if isinstance(e, KeyboardInterrupt):
+    saves the state first when it is `consistent` (no train step was cut short) and the
+    failure is not the storage's own. One sentence for the user."""
+    from rl_jax.checkpoint import SaveError
+    if isinstance(e, (KeyboardInterrupt, config_lib.ConfigError)):
       return e
-    save_error = ""
-    if consistent:
+    save_failure = e if isinstance(e, SaveError) else None  # a second save fails alike
+    if consistent and save_failure is None:
       try:
         self.save(step, wait=True)
-      except Exception as err:  # noqa: BLE001  (the original failure matters more)
-        save_error = f"; saving failed: {type(err).__name__}: {err}"
-    latest = self.p.acc.last_checkpoint_step
-    if self.checkpointer is None:
-      where = "checkpointing is off (checkpoint.every=0)"
-    elif latest is None:
-      where = "no checkpoint was saved yet"
-    else:
-      where = (f"{'saved' if latest == step else 'the newest is'} checkpoint step {latest} in "
-               f"{self.checkpointer.directory}; rerun the same command to resume")
-    where += save_error
+      except Exception as err:  # noqa: BLE001  (reported in the same line)
+        save_failure = err
+    where = self._where(step, save_failure)
     if isinstance(e, Preempted):
       return Preempted(f"preempted (SIGTERM) after {step} optimizer steps: {where}")
-    if isinstance(e, config_lib.ConfigError):
-      return e
-    if isinstance(e, RunError) and not isinstance(e.__cause__, Exception):
+    if isinstance(e, SaveError):
+      return RunError(where)
+    if isinstance(e, UserError) or (isinstance(e, RunError) and
+                                    not isinstance(e.__cause__, Exception)):
       return RunError(f"{e} ({where})" if self.checkpointer is not None else str(e))
     # An unexpected exception: one line for the user, the traceback in the workdir.
     log = os.path.join(self.p.workdir, "error.log")
     with open(log, "a") as f:
       f.write("".join(traceback.format_exception(e)))
-    detail = str(e) if isinstance(e, RunError) else (
-        "the trainer failed: " + last_line(e))
+    detail = str(e) if isinstance(e, RunError) else "the run failed: " + last_line(e)
     return RunError(f"{detail} (traceback in {log}; {where})")
+
+  def _where(self, step: int, save_failure: BaseException | None) -> str:
+    """Which checkpoint holds the run's state: the newest step whose write committed."""
+    if self.checkpointer is None:
+      return "checkpointing is off (checkpoint.every=0), so nothing was saved"
+    latest = self.last_step()
+    resume = "; rerun the same command to resume from it"
+    if isinstance(save_failure, UserError):  # SaveError names the newest complete step
+      return str(save_failure) + (resume if latest is not None else "")
+    failed = "" if save_failure is None else (
+        f"saving step {step} failed ({last_line(save_failure)}); ")
+    if latest is None:
+      return failed + "no checkpoint was saved yet"
+    return (failed + f"{'saved' if latest == step else 'the newest is'} checkpoint step "
+            f"{latest} in {self.checkpointer.directory}" + resume)
 
 
 def last_line(e: BaseException) -> str:
@@ -217,10 +289,12 @@ def last_line(e: BaseException) -> str:
   return lines[-1] if lines else type(e).__name__
 
 
-def catch_sigterm(preempt: threading.Event, grace: float):
-  """Routes SIGTERM to `preempt` (a stop at the next step boundary); past `grace` seconds
-  the process exits without waiting for the save. Returns the function that puts the
-  previous handler back and disarms that deadline."""
+def catch_sigterm(preempt: threading.Event, grace: float, *, saves: bool):
+  """Routes SIGTERM to `preempt` (a stop at the next step boundary, where the checkpoint
+  is saved); past `grace` seconds the process exits with cli.EXIT_PREEMPTED without
+  waiting for the save. Without checkpointing (`saves` False) there is nothing to wait
+  for: Preempted is raised at once in the main thread. Returns the function that puts
+  the previous handler back and disarms that deadline."""
   if threading.current_thread() is not threading.main_thread():
     return lambda: None  # signal handlers can only be set from the main thread
   timers = []
@@ -229,15 +303,18 @@ def catch_sigterm(preempt: threading.Event, grace: float):
     sys.stderr.write(f"error: SIGTERM: the checkpoint could not be saved within "
                      f"checkpoint.grace_period_s={grace:g}s; exiting without it\n")
     sys.stderr.flush()
-    os._exit(1)  # pylint: disable=protected-access
+    os._exit(cli.EXIT_PREEMPTED)  # pylint: disable=protected-access
 
   def on_sigterm(signum, frame):
     del signum, frame
-    if not preempt.is_set():
-      preempt.set()
-      timers.append(threading.Timer(grace, give_up))
-      timers[0].daemon = True
-      timers[0].start()
+    if preempt.is_set():
+      return
+    preempt.set()
+    if not saves:
+      raise Preempted()
+    timers.append(threading.Timer(grace, give_up))
+    timers[0].daemon = True
+    timers[0].start()
 
   previous = signal.signal(signal.SIGTERM, on_sigterm)
 

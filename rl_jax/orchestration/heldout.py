@@ -13,6 +13,9 @@ class Heldout:
     self.task, self.tokenizer, self.max_new_tokens = task, tokenizer, max_new_tokens
     self.examples = [examples[r["index"]] for r in records]
     self.prompts = [r["prompt_tokens"] for r in records]
+    # Long prompts follow data.on_long_prompt: reported, since the set may shrink.
+    self.counters = {"heldout_prompts_dropped": len(examples) - len(records),
+                     "heldout_prompts_truncated": sum(bool(r["truncated"]) for r in records)}
 
   def generate(self, generator) -> list:
     """Greedy completions of every held-out prompt (device work)."""

@@ -39,6 +39,7 @@ import time
 
 from rl_jax import config as config_lib
 from rl_jax import metrics as metrics_lib
+from rl_jax.errors import UserError
 from rl_jax.orchestration import checkpointing
 from rl_jax.orchestration.accounting import Clock, RunAccounting
 from rl_jax.orchestration.errors import Preempted, RunError
@@ -122,6 +123,10 @@ class Pipeline:
     self._discarded: list[int] = []  # stale group ids since the last train event
     self._preempt = threading.Event()
     self.checkpoints = checkpointing.RunCheckpoints(self)
+    self.acc.committed_step = self.checkpoints.last_step
+    self.acc.data_counters = lambda: {
+        **{f"prompts_{k}": v for k, v in self.prompts.counters.items()},
+        **self.heldout.counters}
 
   def _make_weight_sync(self):
     import jax
@@ -146,7 +151,8 @@ class Pipeline:
     checkpoint first when checkpointing is on and the trainer state is consistent.
     """
     restore_sigterm = checkpointing.catch_sigterm(
-        self._preempt, float(self.cfg.checkpoint.grace_period_s))
+        self._preempt, float(self.cfg.checkpoint.grace_period_s),
+        saves=self.checkpoints.checkpointer is not None)
     try:
       return self._run()
     finally:
@@ -206,7 +212,7 @@ class Pipeline:
     else:
       self.acc.clock = Clock(start_s=resumed["wall_time_s"])
       self.heldout_initial, self.curve = resumed["heldout_initial"], resumed["heldout_curve"]
-    self.worker.last_verified = time.time()  # verifier patience counts from here
+    self.worker.reset_verifier_clock()
 
   def _after_step(self, step: int, groups, tm: dict, heldout):
     """Evaluation, checkpoint and the metrics row after optimizer step `step`."""
@@ -265,23 +271,30 @@ class Pipeline:
   def _next_batch(self) -> list[Group]:
     """Pulls groups_per_step groups the staleness policy accepts; the rest are discarded."""
     batch: list[Group] = []
-    while len(batch) < self.cfg.rl.groups_per_step:
-      self._check()
-      if self._preempt.is_set():
-        raise Preempted()
-      group = self.queue.get(timeout=0.2)
-      self.worker.check_verifier_outage()
-      if group is None:
-        continue
-      s = group.staleness(self.version)
-      if not self.policy.accepts(s):
-        self.queue.release()
-        self.acc.discarded(group)
-        self._discarded.append(group.group_id)
-        self.worker.settle([group.group_id])
-        continue
-      self.acc.accepted(self.version, group.group_id, s)
-      batch.append(group)
+    try:
+      while len(batch) < self.cfg.rl.groups_per_step:
+        self._check()
+        if self._preempt.is_set():
+          raise Preempted()
+        t0 = time.monotonic()
+        group = self.queue.get(timeout=0.2)
+        self.worker.check_verifier_outage(time.monotonic() - t0)
+        if group is None:
+          continue
+        if not self.policy.accepts(group.staleness(self.version)):
+          self.queue.release()
+          self.acc.discarded(group)
+          self._discarded.append(group.group_id)
+          self.worker.settle([group.group_id])
+          continue
+        batch.append(group)
+    except BaseException:
+      # A batch cut short is not trained: its groups go back to the queue (a checkpoint
+      # carries them), counted neither as trained nor as lost.
+      self.queue.unget(batch)
+      raise
+    for group in batch:
+      self.acc.accepted(self.version, group.group_id, group.staleness(self.version))
     if self.policy.sync:
       # Verifier completion order must not reach the update: summation order in the
       # loss follows the rows, and sync runs are reproducible bit for bit.
@@ -296,7 +309,7 @@ class Pipeline:
     batch = self.trainer.make_train_batch(groups)
     t_step = time.perf_counter()
     self._consistent = False  # the step donates self.state; version and counters follow
-    discarded, self._discarded = self._discarded, []
+    discarded, self._discarded = self._discarded + self.worker.take_drops(), []
     with self.schedule.event("train", gids=[g.group_id for g in groups],
                              rewards=[[r.reward for r in g.rollouts] for g in groups],
                              discarded=discarded, publish=publish):
@@ -449,7 +462,7 @@ class Pipeline:
   def _check(self) -> None:
     if self._error is not None:
       e = self._error
-      if isinstance(e, (RunError, config_lib.ConfigError)):
+      if isinstance(e, (RunError, UserError)):
         raise e
       raise RunError(f"a worker thread failed: {checkpointing.last_line(e)}") from e
 

@@ -22,6 +22,12 @@ changes the run and its prediction alike. It imports nothing but the standard li
                            it), at publication in async (released at dequeue instead, the
                            sampler would refill the batch being trained with groups consumed
                            one version too late)
+  stall_reason()           why a configuration can never publish, or "": async credit
+                           returns only at publication, so the admission bound must hold
+                           the weight_sync_every batches trained before one,
+                           max_inflight >= groups_per_step * weight_sync_every
+  a group dropped before the queue (verifier.on_error="drop") returns its credit at once
+                           (RolloutQueue.drop), so drops can never stall admission
 """
 from __future__ import annotations
 
@@ -90,3 +96,15 @@ class StalenessPolicy:
 
   def releases(self, step: int) -> bool:
     return self.sync or self.publishes(step)
+
+  def stall_reason(self) -> str:
+    """"" when the trainer can always reach its next publication; else one sentence naming
+    the fields. Async credit returns only at publication, so the weight_sync_every batches
+    trained before it must all fit under the admission bound."""
+    need = self.groups_per_step * self.weight_sync_every
+    if self.sync or self.max_inflight >= need:
+      return ""
+    return (f"the async admission bound ({self.max_inflight} groups: rl.max_inflight_groups, "
+            f"or (rl.max_staleness + 1) x rl.groups_per_step when -1) must be >= "
+            f"rl.groups_per_step x rl.weight_sync_every = {need}, or the trainer can never "
+            f"fill the batches before a publication and the run hangs")

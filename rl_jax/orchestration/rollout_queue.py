@@ -73,6 +73,27 @@ class RolloutQueue:
       self.held -= n
       self._cv.notify_all()
 
+  def drop(self) -> None:
+    """An admitted group that will never be queued (verifier.on_error="drop"): its
+    admission credit returns at once."""
+    with self._cv:
+      self.inflight -= 1
+      self._cv.notify_all()
+
+  def unget(self, groups: list[Group]) -> None:
+    """Groups the trainer took but did not train (a batch cut short): back at the front,
+    in order, no longer held."""
+    with self._cv:
+      self._q.extendleft(reversed(groups))
+      self.held -= len(groups)
+      self.dequeued_total -= len(groups)
+      self._cv.notify_all()
+
+  def groups(self) -> list[Group]:
+    """The queued groups, oldest first (a checkpoint carries them)."""
+    with self._cv:
+      return list(self._q)
+
   def close(self) -> None:
     with self._cv:
       self._closed = True

@@ -15,6 +15,17 @@ leader: the admitted group ids and the version swapped in are logged before laun
      for an in-flight decode call to publish;
   3. one Generator.step; finished rollouts go to the verifier pool (followers take rewards
      from the event log instead).
+
+A group whose verification ends in an error or timeout for any rollout is dropped when
+verifier.on_error="drop" (the default): never queued, counted, and its admission credit
+returned at once (RolloutQueue.drop); sync mode admits a replacement once every group of
+its window is complete, so the set of groups generated together stays reproducible.
+
+Verifier outage (rl.verifier_patience_s): the patience clock runs only while the
+pipeline waits on the verifier, i.e. while verifier calls are outstanding, or while the
+trainer waits for a batch and the newest result was a failure; each ok result resets it.
+A slow train step, a long compilation or admission paused by a full queue leaves no call
+outstanding and the trainer not waiting, so it never counts.
 """
 from __future__ import annotations
 
@@ -62,7 +73,17 @@ class SamplerWorker:
     self._staged: dict[int, Publication] = {}
     self.requested_version = 0  # newest version handed to the generator
     self.published_at: dict[int, float] = {}  # version -> launch time (time.time())
-    self.last_verified = time.time()
+    self.verifying = 0  # verifier calls submitted, no result yet
+    self._starved_s = 0.0  # outage seconds counted since the last ok result
+    self._since: float | None = None  # monotonic start of the outstanding time not yet counted
+    self._last_ok = True  # whether the newest verifier result was ok
+    # Sync mode: the first group of the current window (steps done when it was admitted,
+    # its id, the prompt state before it) and the window's dropped groups (id -> rollouts),
+    # for the checkpoint cut; drops not yet replaced; drops not yet in a train event.
+    self.sync_window: tuple[int, int, Any] | None = None
+    self.dropped: dict[int, int] = {}
+    self._sync_dropped = 0
+    self._new_drops: list[int] = []
     self._stop = threading.Event()
     self._pause = threading.Event()
     self._paused = threading.Event()
@@ -151,13 +172,26 @@ class SamplerWorker:
     """Admits groups while the generator and the staleness policy allow; their ids."""
     gen = self.generator
     admitted = []
+    if self.policy.sync:
+      with self.lock:
+        if self._sync_dropped and not self._groups:
+          # Replacements start once every group of the window is complete, so which
+          # groups run together (and the verifier call order) never depends on when a
+          # verifier callback ran: sync runs stay reproducible bit for bit.
+          self.sync_admitted -= self._sync_dropped
+          self._sync_dropped = 0
     while gen.has_capacity() and self.queue.can_admit():
       if not self.policy.barrier_allows(
           admitted=self.sync_admitted, steps_done=self.steps_done,
           sampler_version=gen.version, trainer_version=self.trainer_version):
         break
       self.sync_admitted += 1
-      admitted.append(self.admit_one())
+      gid = self.admit_one()
+      admitted.append(gid)
+      if self.policy.sync and (self.sync_window is None or self.sync_window[0] != self.steps_done):
+        with self.lock:
+          self.sync_window = (self.steps_done, gid, self.outstanding[gid]["prompts"])
+          self.dropped = {}
     return admitted
 
   def admit_one(self) -> int:
@@ -169,11 +203,11 @@ class SamplerWorker:
       record = next(self.prompts)
       gid = self.next_group_id
       self.next_group_id += 1
-      self.outstanding[gid] = {"prompts": before, "rollouts": 0}
+      self.outstanding[gid] = {"prompts": before, "rollouts": 0, "index": int(record["index"])}
       self.acc.counts["groups_admitted"] += 1
       group = Group(group_id=gid, example=self.task.example(int(record["index"])),
                     prompt_tokens=np.asarray(record["prompt_tokens"], np.int32),
-                    admitted=time.time())
+                    admitted=time.time(), index=int(record["index"]))
       self._groups[gid] = group
     self.queue.admitted()
     self.generator.add_group(gid, group.prompt_tokens, self.cfg.rl.group_size,
@@ -204,6 +238,10 @@ class SamplerWorker:
       group = self._groups[r.group_id]
       group.rollouts.append(r)
       self.outstanding[r.group_id]["rollouts"] += 1
+      if self.pool is not None:
+        self._tick(time.monotonic())
+        self._since = self._since if self.verifying else time.monotonic()
+        self.verifying += 1
     self.acc.rollout_finished(r)
     r.completion_text = self.tokenizer.decode(r.completion_tokens)
     if self.pool is not None:
@@ -221,6 +259,12 @@ class SamplerWorker:
   def _record_verified(self, key, result) -> None:
     gid, idx = key
     with self.lock:
+      self._tick(time.monotonic())
+      self.verifying -= 1
+      self._since = self._since if self.verifying else None
+      self._last_ok = result.status == "ok"
+      if self._last_ok:
+        self._starved_s = 0.0
       group = self._groups.get(gid)
       if group is None:
         return
@@ -229,27 +273,72 @@ class SamplerWorker:
       r.reward_info = dict(result.reward.components)
       r.verifier_status = result.status
       r.verified = result.t_finished
-      if result.status == "ok":
-        self.last_verified = time.time()
       complete = (len(group.rollouts) == self.cfg.rl.group_size and
                   all(x.verifier_status != "pending" for x in group.rollouts))
+      drop = complete and self.cfg.verifier.on_error == "drop" and any(
+          x.verifier_status != "ok" for x in group.rollouts)
       if complete:
         del self._groups[gid]
+      if drop:
+        self.outstanding.pop(gid, None)
+        self._new_drops.append(gid)
+        if self.policy.sync:
+          self.dropped[gid] = len(group.rollouts)
+          self._sync_dropped += 1
     self.acc.verified(result)
-    if complete:
+    if drop:
+      self.acc.dropped(group)
+      self.queue.drop()
+    elif complete:
       group.rollouts.sort(key=lambda x: x.sample_index)
       for x in group.rollouts:
         x.enqueued = time.time()
       self.queue.put(group)
 
-  def check_verifier_outage(self) -> None:
-    """A verifier that stops answering `ok` (all timeouts or errors) ends the run after
-    rl.verifier_patience_s instead of training on zero rewards or waiting forever."""
+  def _tick(self, now: float) -> None:
+    """Counts the outstanding time up to `now` (under self.lock)."""
+    if self._since is not None:
+      self._starved_s += now - self._since
+      self._since = now
+
+  def reset_verifier_clock(self) -> None:
+    with self.lock:
+      self._starved_s, self._since = 0.0, (time.monotonic() if self.verifying else None)
+
+  def check_verifier_outage(self, waited_s: float) -> None:
+    """The trainer, after waiting `waited_s` for a group: a verifier that hangs or stops
+    answering `ok` ends the run after rl.verifier_patience_s of waiting on it (module
+    docstring) instead of waiting forever or starving the trainer."""
     patience = self.cfg.rl.verifier_patience_s
-    if time.time() - self.last_verified > patience:
-      raise RunError(f"no completion was verified ok for {patience:g}s "
-                     f"(rl.verifier_patience_s); verifier statuses so far: "
-                     f"{self.acc.verifier_statuses()}")
+    with self.lock:
+      self._tick(time.monotonic())
+      if not self.verifying and not self._last_ok:
+        self._starved_s += waited_s
+      starved, outstanding = self._starved_s, self.verifying
+    if starved > patience:
+      raise RunError(f"the verifier returned no ok result in {patience:g}s of waiting on it "
+                     f"(rl.verifier_patience_s): {outstanding} calls outstanding, results so "
+                     f"far {self.acc.verifier_statuses()}")
+
+  def take_drops(self) -> list[int]:
+    """Groups dropped for verifier errors since the last call (for the train event)."""
+    with self.lock:
+      drops, self._new_drops = self._new_drops, []
+    return drops
+
+  def restore_queued(self, groups: list[Group]) -> None:
+    """Verified groups a checkpoint carried: queued again (followers keep them for the
+    leader's train events); admitted and counted before the checkpoint."""
+    with self.lock:
+      for g in groups:
+        self.outstanding[g.group_id] = {"prompts": None, "rollouts": len(g.rollouts),
+                                        "index": g.index}
+        if self.schedule.follower:
+          self._groups[g.group_id] = g
+    if not self.schedule.follower:
+      for g in groups:
+        self.queue.admitted()
+        self.queue.put(g)
 
   # -- weights -----------------------------------------------------------------------
 
@@ -276,8 +365,11 @@ class SamplerWorker:
     self.acc.weight_sync("wait_inflight_s", t0 - pub.staged)
     self.acc.weight_sync("pause_s", time.perf_counter() - t0)
 
-  def cut_state(self) -> tuple[dict, Any, int, Any]:
-    """(outstanding groups, prompt iterator state, next group id, counts) of one moment."""
+  def cut_state(self) -> dict:
+    """The admission state of one moment: outstanding groups, prompt iterator state, next
+    group id, counts, the queued groups, the sync window and its dropped groups."""
     with self.lock, self.acc.lock:
-      return ({gid: dict(v) for gid, v in self.outstanding.items()}, self.prompts.get_state(),
-              self.next_group_id, collections.Counter(self.acc.counts))
+      return {"outstanding": {gid: dict(v) for gid, v in self.outstanding.items()},
+              "prompts": self.prompts.get_state(), "next_gid": self.next_group_id,
+              "counts": collections.Counter(self.acc.counts), "queued": self.queue.groups(),
+              "sync_window": self.sync_window, "dropped": dict(self.dropped)}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl_jax.orchestration.policy import admission_bound
+from rl_jax.orchestration.policy import StalenessPolicy, admission_bound
 from rl_jax.errors import UserError
 from rl_jax.planner import memory as memory_lib
 from rl_jax.planner import profile as profile_lib
@@ -248,9 +248,12 @@ def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: in
                              memory_gib=memory_gib)
   cand = Candidate(layout=layout, max_staleness=max_staleness,
                    max_inflight_groups=max_inflight_groups, memory=mem, rejected=reason)
-  if cfg.rl.mode == "async" and max_inflight_groups < cfg.rl.groups_per_step:
-    cand.rejected = (f"in-flight limit {max_inflight_groups} < groups_per_step "
-                     f"{cfg.rl.groups_per_step}")
+  stall = StalenessPolicy.make(
+      mode=cfg.rl.mode, groups_per_step=cfg.rl.groups_per_step, max_staleness=max_staleness,
+      max_inflight_groups=max_inflight_groups, queue_maxsize=cfg.rl.queue_maxsize,
+      weight_sync_every=cfg.rl.weight_sync_every).stall_reason()
+  if stall and not cand.rejected:
+    cand.rejected = f"in-flight limit {max_inflight_groups} can never publish: {stall}"
   if cand.rejected:
     return cand
   cand.scenario = scenario(cfg, layout=layout, profile=profile, model_cfg=model_cfg,

@@ -475,6 +475,9 @@ class _Sim:
 
   def run(self) -> Prediction:
     sc = self.sc
+    stall = self.policy.stall_reason()  # the rule config validation applies
+    if stall:
+      raise ValueError(f"the simulated pipeline can never publish: {stall}")
     self._boundary(0.0, 0)
     now = 0.0
     while not self.done:
