@@ -139,10 +139,10 @@ def test_slow_trainer_with_a_full_queue_is_not_a_verifier_outage(tmp_path, monke
   original = Trainer.dispatch_step
   slow = {"n": 0}
 
-  def slow_step(self, state, batch):
+  def slow_step(self, state, batch, **kw):
     slow["n"] += 1
     time.sleep(4.0)  # twice the patience
-    return original(self, state, batch)
+    return original(self, state, batch, **kw)
   monkeypatch.setattr(Trainer, "dispatch_step", slow_step)
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.total_steps=3", "--config.rl.eval_every=0",
                  "--config.verifier.latency=none", "--config.rl.verifier_patience_s=2.0",
