@@ -144,11 +144,11 @@ def test_slow_trainer_with_a_full_queue_is_not_a_verifier_outage(tmp_path, monke
     time.sleep(4.0)  # twice the patience
     return original(self, state, batch, **kw)
   monkeypatch.setattr(Trainer, "dispatch_step", slow_step)
-  cfg = make_cfg("--config.rl.mode=async", "--config.rl.total_steps=3", "--config.rl.eval_every=0",
+  cfg = make_cfg("--config.rl.mode=async", "--config.rl.total_steps=2", "--config.rl.eval_every=0",
                  "--config.verifier.latency=none", "--config.rl.verifier_patience_s=2.0",
                  "--config.rl.queue_maxsize=4")
   pipe, summary, _ = run_pipeline(cfg, tmp_path)
-  assert summary["optimizer_steps"] == 3 and slow["n"] == 3
+  assert summary["optimizer_steps"] == 2 and slow["n"] == 2
   assert summary["max_queue_depth"] <= 4
 
 
@@ -159,7 +159,7 @@ def test_verifier_errors_drop_the_group_and_count_it(tmp_path, mode):
   are truncated and counted in metrics and summary.json."""
   cfg = make_cfg(f"--config.rl.mode={mode}", "--config.verifier.failure_prob=0.25",
                  "--config.verifier.retries=0", "--config.rl.total_steps=4",
-                 "--config.data.max_prompt_length=6")
+                 "--config.data.max_prompt_length=6", "--config.rl.eval_every=0")
   assert cfg.verifier.on_error == "drop"
   pipe = loop.Pipeline(cfg, str(tmp_path))
   trained_statuses = []
@@ -188,8 +188,8 @@ def test_verifier_errors_drop_the_group_and_count_it(tmp_path, mode):
 
 def test_verifier_errors_reward_zero_when_asked(tmp_path):
   cfg = make_cfg("--config.rl.mode=async", "--config.verifier.failure_prob=0.25",
-                 "--config.verifier.retries=0", "--config.rl.total_steps=3",
-                 "--config.verifier.on_error=zero")
+                 "--config.verifier.retries=0", "--config.rl.total_steps=2",
+                 "--config.verifier.on_error=zero", "--config.rl.eval_every=0")
   pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
   assert summary["groups_dropped_verifier_error"] == 0
   assert any(r.verifier_status == "error" and r.reward == 0 for r in rollouts)

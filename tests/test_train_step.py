@@ -261,18 +261,21 @@ def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads)) > 1e-3
 
 
+@pytest.mark.parametrize("layers", ["unrolled", "scan"])
 @pytest.mark.parametrize("attention", ["jnp", "xla"])
-def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention):
-  """Rollouts sampled by the Engine (paged decode, temperature 1) at version 0, trained at
-  version 0 with the same params: |mu - pi| is float32 rounding. Tokens of another version
-  are left out of the metric, and a shifted behaviour log-prob shows up in it."""
+def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention, layers):
+  """Rollouts sampled by the Engine (paged decode with either layer loop, temperature 1) at
+  version 0, trained at version 0 with the same params: |mu - pi| is float32 rounding.
+  Tokens of another version are left out of the metric, and a shifted behaviour log-prob
+  shows up in it."""
   from rl_jax.sampler import engine as engine_lib
   from rl_jax.sampler import generator as gen_lib
   mcfg = _model_cfg().replace(attention=attention)
   params = jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p,
                         model.init_params(mcfg, jax.random.key(5)))
   eng = engine_lib.Engine(mcfg, mesh=_mesh((1, 1, 1)), max_concurrent_decodes=8, page_size=4,
-                          num_pages=64, max_prefill_length=8, max_new_tokens=12, stop_ids=())
+                          num_pages=64, max_prefill_length=8, max_new_tokens=12, stop_ids=(),
+                          dtype="float32", layers=layers)
   gen = gen_lib.Generator(eng, params, version=0)
   prompts = [PROMPT, np.array([1, 7, 8], np.int32)]
   for g, p in enumerate(prompts):
