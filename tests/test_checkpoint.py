@@ -100,16 +100,21 @@ def test_round_trip_onto_other_shardings_and_retention(saved_run):
     assert x.sharding == y.sharding  # laid out as the restoring trainer asks
 
 
-def test_unreadable_or_unfinished_latest_falls_back_with_a_warning(tmp_path, saved_run):
-  _, cfg, model_cfg, states = saved_run
-  trainer, _ = _trainer(cfg)
-  state = trainer.init_state(rng=jax.random.key(0))
-  workdir = str(tmp_path)
+def _save_two_and_corrupt_the_newest(workdir, trainer, cfg, model_cfg):
+  """Checkpoints 1 and 2 of distinct states in `workdir`, then step 2 damaged."""
   checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
   for step in (1, 2):
     _save(checkpointer, step, trainer.init_state(rng=jax.random.key(step)), cfg, model_cfg)
   checkpointer.close()
   _corrupt(workdir, 2)
+
+
+def test_unreadable_or_unfinished_latest_falls_back_with_a_warning(tmp_path, saved_run):
+  _, cfg, model_cfg, states = saved_run
+  trainer, _ = _trainer(cfg)
+  state = trainer.init_state(rng=jax.random.key(0))
+  workdir = str(tmp_path)
+  _save_two_and_corrupt_the_newest(workdir, trainer, cfg, model_cfg)
   # What a crash in the middle of a save leaves behind: never listed, never restored.
   os.makedirs(os.path.join(ck.directory(workdir), "3.orbax-checkpoint-tmp-1234", "params"))
   warnings = []
@@ -198,11 +203,7 @@ def test_corrupt_newest_step_is_replaced_when_saved_again(tmp_path, saved_run):
   _, cfg, model_cfg, _ = saved_run
   trainer, _ = _trainer(cfg)
   workdir = str(tmp_path)
-  checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
-  for step in (1, 2):
-    _save(checkpointer, step, trainer.init_state(rng=jax.random.key(step)), cfg, model_cfg)
-  checkpointer.close()
-  _corrupt(workdir, 2)
+  _save_two_and_corrupt_the_newest(workdir, trainer, cfg, model_cfg)
   checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
   state = trainer.init_state(rng=jax.random.key(7))
   assert _restore(checkpointer, state, warn=lambda _: None).step == 1
