@@ -2,9 +2,14 @@
 
 Shape letters: t = completion tokens, p = prompt tokens.
 
-Staleness of a rollout at consumption is `trainer_version - min(token_versions)`,
-counted in published policy versions; a group's staleness is the max over its
-rollouts.
+Staleness of a rollout at consumption is `trainer_version - min(token_versions)` over
+its model tokens, counted in published policy versions; a group's staleness is the max
+over its rollouts.
+
+Multi-turn rollouts (tool use): `completion_tokens` interleave the model's turns with the
+environment's observations. `model_mask` is True at tokens the model sampled and False at
+observation tokens, which carry behaviour log-prob 0.0 and version -1 and are masked out
+of the loss, KL and entropy (they are context only).
 """
 from __future__ import annotations
 
@@ -33,23 +38,41 @@ class Rollout:
   finished: float = 0.0
   verified: float = 0.0
   enqueued: float = 0.0
+  # bool [t]: True where the model sampled the token, False at environment observation
+  # tokens; None means every completion token is the model's (single-turn rollouts).
+  model_mask: np.ndarray | None = None
+  num_turns: int = 1  # model turns (1 + the observations appended)
 
   @property
   def num_tokens(self) -> int:
     return int(self.completion_tokens.shape[0])
 
   @property
+  def model_token_mask(self) -> np.ndarray:
+    """bool [t]: the tokens the model sampled."""
+    if self.model_mask is None:
+      return np.ones(self.completion_tokens.shape, bool)
+    return np.asarray(self.model_mask, bool)
+
+  @property
+  def model_versions(self) -> np.ndarray:
+    """The policy versions of the model's tokens."""
+    return self.token_versions if self.model_mask is None else self.token_versions[self.model_token_mask]
+
+  @property
   def min_version(self) -> int:
-    if self.token_versions.size == 0:
+    versions = self.model_versions
+    if versions.size == 0:
       return 0
-    return int(self.token_versions.min())
+    return int(versions.min())
 
   def staleness(self, trainer_version: int) -> int:
     return int(trainer_version) - self.min_version
 
   @property
   def mixed_versions(self) -> bool:
-    return self.token_versions.size > 0 and int(self.token_versions.max()) != self.min_version
+    versions = self.model_versions
+    return versions.size > 0 and int(versions.max()) != self.min_version
 
 
 @dataclasses.dataclass
