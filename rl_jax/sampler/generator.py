@@ -154,14 +154,14 @@ class Generator(turns_lib.TurnsMixin):
 
   def has_capacity(self) -> bool:
     """True if a group added now could start at the next step: no weight swap is
-    draining the slots, and free slots outnumber samples already waiting."""
+    draining the slots, free slots outnumber samples and resumes already waiting, and,
+    while sequences are parked, free pages exceed what they need to come back."""
     if self._draining():
       return False
     waiting = sum(len(g.waiting) for g in self._groups) + len(self._resuming)
     if self._slots.count(None) <= waiting:
       return False
-    # Parked sequences come back for pages: keep free what waiting resumes need and a
-    # page for each other parked sequence.
+    # What waiting resumes need, and a page for each sequence still waiting on its tool.
     return not self.num_parked or self.allocator.num_free > (
         sum(self._resume_pages(s) for s in self._resuming) + len(self._parked))
 

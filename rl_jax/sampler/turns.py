@@ -10,6 +10,11 @@ sequence is parked: its slot is freed at once, the pages holding its cache are k
 `take_turns()`. The worker then either `resume`s it with an observation or
 `end_episode`s it.
 
+A worker's loop: step(); take_turns() and hand each to its environment; resume or
+end_episode as results come. The generator has work while num_active, num_pending or
+num_parked is non-zero; a resume whose observation reaches the budget ends the
+episode, and that Rollout comes from the next step().
+
 Resuming: the parked cache holds every token but the turn's last sampled one, x. At the
 next scheduling pass the engine writes the K/V of [x] + observation[:-1] into the
 sequence's pages (extend.Extender.extend, one batched call for the pass) and the
