@@ -385,6 +385,7 @@ def test_page_accounting_with_waits_ends_aborts_and_preemption(engine, params):
   for gid in range(5):
     gen.add_group(gid, PROMPTS[gid % 3], 2, seed=gid, max_new_tokens=18, turn_end=turn_end,
                   stop_on_eos=False)
+  gen.add_group(5, PROMPTS[0], 2, seed=5, max_new_tokens=10)  # single-turn, alongside
   waiting = []  # (due step, turn): tool calls in flight
   out, saw_parked_pages = [], []
   for step in range(80):
@@ -412,9 +413,12 @@ def test_page_accounting_with_waits_ends_aborts_and_preemption(engine, params):
   for _, t in waiting:  # late tool results after the abort
     assert gen.resume(t.group_id, t.sample_index, t.attempt, [5]) is None
   keys = sorted((r.group_id, r.sample_index) for r in out)
-  assert keys == sorted((g, i) for g in [0, 1, 2, 3, 4, 9] for i in range(2))
+  assert keys == sorted((g, i) for g in [0, 1, 2, 3, 4, 5, 9] for i in range(2))
   for r in out:
-    assert r.model_mask is not None and r.model_mask.shape == r.completion_tokens.shape
+    if r.group_id == 5:
+      assert r.model_mask is None and r.num_turns == 1
+    else:
+      assert r.model_mask.shape == r.completion_tokens.shape
   assert gen.allocator.num_used == 0 and not gen.allocator.refcounts().any()
   assert not gen.take_turns() and gen.num_parked == 0 and gen.parked_pages == 0
 

@@ -443,8 +443,7 @@ class Engine:
 
   def prefill(self, *, params: Any, existing_prefix: Prefix | None = None,
               padded_tokens, true_length: int) -> Prefix:
-    """Dense K/V of one padded prompt (batch 1); with `existing_prefix`, of the prefix's
-    tokens followed by the new ones (extend.Extender.prefill)."""
+    """Dense K/V of one padded prompt (batch 1), after `existing_prefix` if given (extend.py)."""
     if existing_prefix is not None:
       return extend.Extender.of(self).prefill(params, existing_prefix, padded_tokens,
                                               true_length)
