@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from rl_jax.envs.base import End, Environment, Episode, ToolCall, make_turn_end
 
-__all__ = ["End", "Environment", "Episode", "ToolCall", "has_env", "make_env", "make_turn_end"]
+__all__ = ["End", "Environment", "Episode", "ToolCall", "episode_budget", "has_env", "make_env",
+           "make_turn_end"]
 
 
 def _calculator(env_cfg):
@@ -32,3 +33,9 @@ def make_env(task, env_cfg) -> Environment | None:
   """The environment of `task` (by task.name), None for single-turn tasks."""
   factory = _ENVS.get(task.name)
   return None if factory is None else factory(env_cfg)
+
+
+def episode_budget(cfg) -> int:
+  """Completion tokens of one episode, model and observation: env.max_total_tokens, or
+  sampler.max_new_tokens when that is 0."""
+  return int(cfg.env.max_total_tokens or cfg.sampler.max_new_tokens)
