@@ -182,6 +182,10 @@ class Console:
             f"stale {g('staleness/mean', '{:.2f}')} (disc {g('staleness/discarded', '{:d}')}) "
             f"samp {g('sampler/tokens_per_s', '{:.0f}')} tok/s "
             f"train {g('trainer/tokens_per_s', '{:.0f}')} tok/s")
+    if "env/tool_call_rate" in m:
+      text += (f" tool calls {g('env/tool_call_rate', '{:.2f}')} "
+               f"(held-out {g('env/heldout_tool_call_rate', '{:.2f}')}) "
+               f"parked {g('sampler/parked', '{:d}')}")
     print(text, file=self.stream, flush=True)
 
   def message(self, text: str) -> None:
