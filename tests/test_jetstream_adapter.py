@@ -99,6 +99,41 @@ def test_abstract_api_is_complete(adapter):
   assert tok.stop_tokens == set(TOK.stop_ids)
 
 
+def test_prefill_over_existing_prefix_equals_full_prefill(adapter, params):
+  """JetStream's prefill(existing_prefix=...) passes through: the prefix of "12+3"
+  extended by "=7" equals the prefix of "12+3=7" (K/V, last token, length), and both
+  give the full recompute's greedy first token."""
+  tok = adapter.build_tokenizer(adapter.get_tokenizer())
+  p = adapter.load_params()
+
+  def encode(text, bos):
+    return tok.encode(text, is_bos=bos, max_prefill_length=16, jax_padding=True)
+
+  full = adapter.prefill(params=p, padded_tokens=encode("12+3=7", True)[0],
+                         true_length=encode("12+3=7", True)[1])
+  head, n_head = encode("12+3", True)
+  tail, n_tail = encode("=7", False)
+  ext = adapter.prefill(params=p, existing_prefix=adapter.prefill(
+      params=p, padded_tokens=head, true_length=n_head), padded_tokens=tail,
+                        true_length=n_tail)
+  n = n_head + n_tail
+  assert int(ext.true_length) == int(full.true_length) == n
+  assert int(ext.last_token) == int(full.last_token) == TOK.encode("7")[0]
+  for a, b in ((ext.k_lktd, full.k_lktd), (ext.v_lktd, full.v_lktd)):
+    np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n],
+                               rtol=1e-5, atol=1e-4)
+  firsts = []
+  for prefix in (full, ext):
+    state = adapter.insert(prefix, adapter.init_decode_state(), 0)
+    _, result = adapter.generate(p, state)
+    firsts.append(int(np.asarray(result.data)[0, 0]))
+  seq = [TOK.bos_id] + TOK.encode("12+3=7")
+  padded = np.zeros((1, 32), np.int32)
+  padded[0, :len(seq)] = seq
+  want = int(jnp.argmax(_apply_fn()(params, jnp.asarray(padded))[0, len(seq) - 1]))
+  assert firsts == [want, want]
+
+
 def test_orchestrator_drives_adapter(adapter, params):
   driver = JA.make_driver(adapter, adapter.load_params())
   client = orchestrator.LLMOrchestrator(driver=driver)

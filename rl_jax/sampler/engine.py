@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from rl_jax import model
 from rl_jax import sharding as shd
-from rl_jax.sampler import decode
+from rl_jax.sampler import decode, extend
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
                                    DecodeState, StepOutput, sample_tokens)  # (re-exported)
@@ -443,10 +443,11 @@ class Engine:
 
   def prefill(self, *, params: Any, existing_prefix: Prefix | None = None,
               padded_tokens, true_length: int) -> Prefix:
-    """Dense K/V of one padded prompt (batch 1)."""
+    """Dense K/V of one padded prompt (batch 1); with `existing_prefix`, of the prefix's
+    tokens followed by the new ones (extend.Extender.prefill)."""
     if existing_prefix is not None:
-      raise ValueError("prefill on top of an existing prefix is not supported: rl_jax "
-                       "prefills whole prompts and shares their pages instead")
+      return extend.Extender.of(self).prefill(params, existing_prefix, padded_tokens,
+                                              true_length)
     if not 1 <= int(true_length) <= min(len(padded_tokens), self._max_prefill_length):
       raise ValueError(f"true_length {true_length} outside 1..{len(padded_tokens)}")
     if not isinstance(padded_tokens, jax.Array):

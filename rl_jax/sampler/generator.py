@@ -26,6 +26,13 @@ Rollouts: `completion_tokens` include the stop token when finish_reason is "stop
 its log-prob and version, so the trainer learns to stop. Every group yields exactly
 num_samples rollouts (finish_reason "aborted" after `abort_all`).
 
+Multi-turn episodes (tool use, turns.py): a group added with `turn_end` parks a sequence
+when a model turn ends (slot freed, pages kept) and reports a `Turn` through
+`take_turns()`; `resume(...)` appends an observation (prefilled over the kept pages)
+and `end_episode(...)` finishes it. Contract notes: `Turn` lives in turns.py (imported
+here); `num_parked` counts resuming sequences (observation given, no slot yet) too;
+rollouts of turn_end groups always carry model_mask (all True when no observation).
+
 Weight updates: `update_params(params, version)` is the one method safe to call from
 another thread; it stores the weights in a pending slot that the sampler thread swaps
 in at the top of its next `step()` (the latest call wins). With inflight weight updates
@@ -47,6 +54,8 @@ import numpy as np
 
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import turns as turns_lib
+from rl_jax.sampler.turns import Turn  # noqa: F401  (part of the Generator's API)
 from rl_jax.types import Rollout
 
 _REASONS = {engine_lib.FINISH_STOP: "stop", engine_lib.FINISH_LENGTH: "length"}
@@ -69,6 +78,9 @@ class _Group:
   prefix_pages: np.ndarray | None = None  # the group's own references, while it has waiting samples
   running: int = 0
   done: int = 0
+  turn_end: Callable[[np.ndarray], int | None] | None = None  # multi-turn episodes (turns.py)
+  attempts: list | None = None  # per sample: restarts from the prompt (turn_end groups)
+  parked: int = 0  # samples parked at a tool call or resuming
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,9 +97,10 @@ class _Seq:
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)
   first_token: float = 0.0
+  turn: turns_lib.TurnState | None = None  # episode state (turn_end groups only)
 
 
-class Generator:
+class Generator(turns_lib.TurnsMixin):
   """Turns groups (prompt, G, seed) into Rollouts with continuous batching."""
 
   def __init__(self, engine: engine_lib.Engine, params: Any, *, version: int = 0,
@@ -118,6 +131,7 @@ class Generator:
     self.preemptions = 0
     self.generate_calls = 0
     self.busy_s = 0.0
+    self._init_turns()
 
   @property
   def version(self) -> int:
@@ -143,8 +157,13 @@ class Generator:
     draining the slots, and free slots outnumber samples already waiting."""
     if self._draining():
       return False
-    waiting = sum(len(g.waiting) for g in self._groups)
-    return self._slots.count(None) > waiting
+    waiting = sum(len(g.waiting) for g in self._groups) + len(self._resuming)
+    if self._slots.count(None) <= waiting:
+      return False
+    # Parked sequences come back for pages: keep free what waiting resumes need and a
+    # page for each other parked sequence.
+    return not self.num_parked or self.allocator.num_free > (
+        sum(self._resume_pages(s) for s in self._resuming) + len(self._parked))
 
   def update_params(self, params: Any, version: int) -> None:
     """Publish new weights; safe from any thread. Swapped in by the next step()."""
@@ -154,8 +173,14 @@ class Generator:
 
   def add_group(self, group_id: int, prompt_tokens, num_samples: int, seed: int, *,
                 sampling: engine_lib.Sampling | None = None, max_new_tokens: int | None = None,
-                stop_on_eos: bool = True) -> None:
-    """Queue G = num_samples completions of one prompt; sample i uses seed (seed, i)."""
+                stop_on_eos: bool = True,
+                turn_end: Callable[[np.ndarray], int | None] | None = None) -> None:
+    """Queue G = num_samples completions of one prompt; sample i uses seed (seed, i).
+
+    With `turn_end`, each sample is an episode of model turns and observations
+    (turns.py): turn_end(turn_tokens) -> None (go on) or n, the turn ends after its
+    first n tokens; max_new_tokens then bounds all completion tokens of the episode.
+    """
     eng = self.engine
     prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
     max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
@@ -185,7 +210,8 @@ class Generator:
         sampling=self.sampling if sampling is None else sampling, max_new_tokens=max_new,
         stop_on_eos=bool(stop_on_eos), admitted=self._clock(), order=self._order,
         waiting=collections.deque(range(num_samples)), num_full=num_full,
-        partial=bool(cached % eng.page_size)))
+        partial=bool(cached % eng.page_size), turn_end=turn_end,
+        attempts=None if turn_end is None else [0] * int(num_samples)))
     self._group_ids.add(group_id)
 
   def step(self) -> list[Rollout]:
@@ -231,6 +257,7 @@ class Generator:
       self._state = self.engine.free_slots(self._state, [s.slot for s in running])
     for seq in running:
       out.append(self._end(seq, "aborted", now))
+    out.extend(self._abort_parked(now))
     for g in list(self._groups):
       while g.waiting:
         empty = _Seq(group=g, sample_index=g.waiting.popleft(), slot=-1, pages=[], length=0,
@@ -283,14 +310,16 @@ class Generator:
     return finished
 
   def _fill_slots(self) -> None:
-    """Start waiting samples in free slots, oldest group first."""
+    """Start resuming sequences, then waiting samples, in free slots, oldest group first."""
     self._try_fill()
-    if not self.num_active and any(g.waiting for g in self._groups):
+    if not self.num_active and (self._resuming or any(g.waiting for g in self._groups)):
       # Nothing runs, so nothing will give pages back: drop the prompt caches of waiting
       # groups (they are prefilled again) so the oldest group gets the whole pool.
       for g in self._groups:
         self._release_prefix(g)
       self._try_fill()
+      if self._resuming and not self.num_active:
+        self._unblock_resumes()
 
   def _try_fill(self) -> None:
     eng, alloc = self.engine, self.allocator
@@ -299,7 +328,9 @@ class Generator:
     # its own first call fits beside them. Longer-term growth is not reserved: when the
     # pool runs dry, _grow_pages preempts the youngest group.
     reserve = sum(self._pages_short(s) for s in self._slots if s is not None)
-    inserts, exhausted, prefills = [], [], []
+    inserts, exhausted, prefills, extends = [], [], [], []
+    if self._resuming:  # older work than any new sample
+      reserve = self._start_resumes(free, reserve, inserts, extends)
     admitting = True
     for g in list(self._groups):
       if not free:
@@ -326,6 +357,8 @@ class Generator:
         seq = _Seq(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
                    pages=[int(p) for p in shared] + [int(p) for p in private],
                    length=cached, cache_limit=cached + g.max_new_tokens)
+        if g.turn_end is not None:
+          seq.turn = turns_lib.TurnState(attempt=g.attempts[seq.sample_index])
         self._slots[seq.slot] = seq
         g.running += 1
         reserve += self._pages_short(seq)
@@ -340,6 +373,8 @@ class Generator:
       self._state = eng.prefill_into_pages(self._params, self._state,
                                            [g.prompt for g in prefills],
                                            [g.prefix_pages for g in prefills])
+    if extends:  # observations of resuming sequences, before their inserts
+      self._state = self._extender.extend(self._params, self._state, extends)
     if inserts:
       self._state = eng.insert_many(self._state, inserts)
     # Only after the inserts above have read the template pages.
@@ -387,7 +422,8 @@ class Generator:
       need = self._pages_short(seq)
       new = alloc.allocate(need) if need > 0 else None
       while need > 0 and new is None:
-        self._preempt(max((g for g in self._groups if g.running or g.prefix_pages is not None),
+        self._preempt(max((g for g in self._groups
+                           if g.running or g.parked or g.prefix_pages is not None),
                           key=lambda g: g.order))
         if self._slots[seq.slot] is not seq:
           break
@@ -415,7 +451,8 @@ class Generator:
     return want
 
   def _preempt(self, g: _Group) -> None:
-    """Drop the group's running samples (they restart from the prompt) and its pages."""
+    """Drop the group's running and parked samples (they restart from the prompt, under
+    a new attempt) and its pages."""
     seqs = [s for s in self._slots if s is not None and s.group is g]
     if seqs:
       self._state = self.engine.free_slots(self._state, [s.slot for s in seqs])
@@ -423,7 +460,11 @@ class Generator:
       self._slots[seq.slot] = None
       self.allocator.release(seq.pages)
       g.running -= 1
-    g.waiting = collections.deque(sorted(list(g.waiting) + [s.sample_index for s in seqs]))
+    restarted = [s.sample_index for s in seqs] + self._drop_parked(g)
+    if g.attempts is not None:
+      for i in restarted:
+        g.attempts[i] += 1
+    g.waiting = collections.deque(sorted(list(g.waiting) + restarted))
     self._release_prefix(g)
     self.preemptions += 1
 
@@ -439,6 +480,7 @@ class Generator:
                          f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
     # A slot decodes a prefix of the call's steps: valid until it finishes.
     counts_b = valid_sb.sum(axis=0)
+    parked = []
     for b in busy:
       seq, n = self._slots[b], int(counts_b[b])
       if not seq.tokens:
@@ -449,8 +491,12 @@ class Generator:
       seq.length += n
       self.tokens_generated += n
       reason = _REASONS.get(int(out.finish_sb[n - 1, b]))
-      if reason is not None:
+      if seq.turn is not None and self._turn_ended(seq, reason):
+        parked.append(b)
+      elif reason is not None:
         finished.append(self._end(seq, reason, now))
+    if parked:  # their slots may still be decoding past the turn's end
+      self._state = self.engine.free_slots(self._state, parked)
     return finished
 
   def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
@@ -476,4 +522,6 @@ class Generator:
         completion_tokens=np.asarray(seq.tokens, np.int32),
         behavior_logprobs=np.asarray(seq.logprobs, np.float32),
         token_versions=np.asarray(seq.versions, np.int32), finish_reason=reason,
-        admitted=g.admitted, first_token=seq.first_token, finished=now)
+        admitted=g.admitted, first_token=seq.first_token, finished=now,
+        model_mask=None if g.turn_end is None else self._model_mask(seq),
+        num_turns=1 if seq.turn is None else seq.turn.index + 1)
