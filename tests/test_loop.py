@@ -235,7 +235,7 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
     model = r.model_token_mask
     assert r.model_mask is not None and r.num_turns >= 1
     assert np.all(r.token_versions[~model] == -1) and np.all(r.behavior_logprobs[~model] == 0)
-    assert np.all(r.token_versions[model] >= 0) and np.all(r.behavior_logprobs[model] < 0)
+    assert np.all(r.token_versions[model] >= 0) and np.all(r.behavior_logprobs[model] <= 0)
     edges = np.flatnonzero(np.diff(np.concatenate([[1], model.astype(int), [1]])))
     for begin, end in zip(edges[::2], edges[1::2]):  # each observation: [begin, end)
       call = tok.decode(r.completion_tokens[:begin]).rpartition("</calc>")
