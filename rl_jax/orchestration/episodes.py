@@ -56,7 +56,6 @@ class EpisodeDriver:
     self._samples: dict[int, int] = {}  # group id -> samples not yet finished
     self._live: dict[tuple[int, int], _Live] = {}
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-    self.outstanding = 0  # tool calls submitted, result not yet drained
 
   def group_kwargs(self) -> dict:
     return {"max_new_tokens": self.budget, "turn_end": self._turn_end}
@@ -75,7 +74,6 @@ class EpisodeDriver:
         (gid, idx, attempt, turn), result = self._inbox.get_nowait()
       except queue.Empty:
         return
-      self.outstanding -= 1
       self.acc.tool_result(result)
       live = self._live.get((gid, idx))
       if live is None or live.attempt != attempt or live.turn != turn:
@@ -103,7 +101,6 @@ class EpisodeDriver:
           ended.append(r)
         continue
       live.turn = turn.turn_index
-      self.outstanding += 1
       self.pool.submit((turn.group_id, turn.sample_index, turn.attempt, turn.turn_index),
                        action.request, callback=self._on_result)
     return ended
