@@ -87,7 +87,7 @@ def get_config(arg=None):
   c.warmstart.learning_rate = 1e-3
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "arithmetic"  # arithmetic | countdown | gsm8k | jsonl
+  c.task.name = "arithmetic"  # arithmetic | calculator | countdown | gsm8k | jsonl
   c.task.path = ""  # data file for gsm8k / jsonl: .jsonl, .json (lines) or .parquet
   c.task.eval_path = ""  # gsm8k / jsonl: held-out file (e.g. test split); "": split task.path
   c.task.prompt_template = "{question}\nAnswer:"  # gsm8k: prompt text around the question
@@ -96,6 +96,7 @@ def get_config(arg=None):
   c.task.num_terms = 2
   c.task.operators = "+"
   c.task.format_reward = 0.0  # weight of the optional format reward
+  c.task.tool_demo_fraction = 0.5  # calculator: share of warm-up demonstrations that call the tool
   c.task.heldout_size = 256
   c.task.heldout_fraction = 0.1  # hash-based share of prompts kept for held-out
 
@@ -113,6 +114,25 @@ def get_config(arg=None):
   c.verifier.latency_alpha = 1.5  # pareto shape
   c.verifier.latency_file = ""  # empirical: one latency in seconds per line
   c.verifier.failure_prob = 0.0
+
+  # Tool-using tasks (those with an environment, e.g. calculator): a rollout is an episode
+  # of model turns and environment observations (rl_jax/envs).
+  c.env = ml_collections.ConfigDict()
+  c.env.max_turns = 3  # model turns per episode; a tool call in the last one ends it
+  c.env.max_total_tokens = 0  # completion tokens per episode (model + observation); 0: sampler.max_new_tokens
+  # Tool calls run in a worker pool like the verifier's (same fields and semantics); a call
+  # that fails or times out (after retries) gives the model an error observation.
+  c.env.tool = ml_collections.ConfigDict()
+  c.env.tool.backend = "threads"  # threads | processes
+  c.env.tool.workers = 16
+  c.env.tool.timeout_s = 5.0
+  c.env.tool.retries = 1
+  c.env.tool.latency = "none"  # none | fixed | lognormal | pareto | empirical
+  c.env.tool.latency_mean_s = 0.0
+  c.env.tool.latency_sigma = 1.0  # lognormal sigma
+  c.env.tool.latency_alpha = 1.5  # pareto shape
+  c.env.tool.latency_file = ""  # empirical: one latency in seconds per line
+  c.env.tool.failure_prob = 0.0
 
   c.data = ml_collections.ConfigDict()
   c.data.shuffle = True

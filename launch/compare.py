@@ -43,6 +43,13 @@ def _main(argv):
             f"async {t_async:.1f}s, speedup {t_sync / max(t_async, 1e-9):.2f}x; final held-out "
             f"(mean of last 3 evaluations) sync {target:.3f} vs async "
             f"{report.final_reward(async_['heldout_curve']):.3f}")
+  line += (f"; sampler busy fraction sync {sync['sampler_busy_frac']:.2f}, async "
+           f"{async_['sampler_busy_frac']:.2f}")
+  if "heldout_tool_call_rate_final" in sync:
+    line += (f"; held-out tool-call rate sync {sync['heldout_tool_call_rate_initial']:.2f} -> "
+             f"{sync['heldout_tool_call_rate_final']:.2f}, async "
+             f"{async_['heldout_tool_call_rate_initial']:.2f} -> "
+             f"{async_['heldout_tool_call_rate_final']:.2f}")
   path = report.write_html(runs, args.workdir, headline=line)
   print(line)
   print(f"report: {path}")

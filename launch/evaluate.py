@@ -61,7 +61,9 @@ def _main(argv):
   config_lib.validate(cfg)
   from rl_jax.orchestration import heldout
   result = heldout.evaluate_params(cfg, model_cfg, params, tokenizer)
-  print(f"held-out reward {result['reward_mean']:.4f} accuracy {result['accuracy']:.4f} "
+  tools = (f" tool-call rate {result['tool_call_rate']:.4f}" if "tool_call_rate" in result
+           else "")
+  print(f"held-out reward {result['reward_mean']:.4f} accuracy {result['accuracy']:.4f}{tools} "
         f"on {result['n']} prompts (greedy) of {what}")
 
 

@@ -2,12 +2,16 @@
 
   python launch/plan.py --config configs/default.py --devices 8 [--profile WORKDIR]
       [--memory-gb 139] [--sweep-staleness 0,1,2,4] [--sweep-inflight auto,16,32]
-      [--max-discard 0.05] [--out DIR] [--config.x=y ...]
+      [--max-discard 0.05] [--turns-per-episode 2 [--turns-dist geometric]
+      [--observation-tokens 16]] [--out DIR] [--config.x=y ...]
   python launch/plan.py --config configs/default.py --validate WORKDIR [--profile PILOT]
 
 --profile fits the throughput models and distributions from a pilot's workdir;
 --validate compares the prediction for that run's own configuration with what it observed.
 --sweep-inflight takes rl.max_inflight_groups values; auto = (max_staleness + 1) * groups_per_step.
+--turns-per-episode: tool-using episodes of that many model turns on average (a list: an
+empirical distribution), a call to the env.tool pool of the config between two turns
+(rl_jax.planner.TurnModel); default: a tool-using --profile pilot's fitted turns.
 """
 import os
 import sys
@@ -19,13 +23,13 @@ from rl_jax import config as config_lib  # noqa: E402
 from rl_jax import planner  # noqa: E402
 
 
-def _ints(text, flag, auto=False):
-  """Comma-separated integers; with `auto`, the word auto means -1."""
+def _ints(text, flag, auto=False, kind=int):
+  """Comma-separated integers (or `kind`); with `auto`, the word auto means -1."""
   try:
-    return [-1 if auto and v.strip() == "auto" else int(v) for v in text.split(",") if v.strip()]
+    return [-1 if auto and v.strip() == "auto" else kind(v) for v in text.split(",") if v.strip()]
   except ValueError:
-    sys.exit(f"error: {flag} takes comma-separated integers{' (or auto)' if auto else ''}, "
-             f"got {text!r}")
+    sys.exit(f"error: {flag} takes comma-separated {kind.__name__}s{' (or auto)' if auto else ''}"
+             f", got {text!r}")
 
 
 def _main(argv):
@@ -41,8 +45,15 @@ def _main(argv):
   p.add_argument("--sweep-staleness", default="")
   p.add_argument("--sweep-inflight", default="")
   p.add_argument("--max-discard", type=float, default=0.05)
+  p.add_argument("--turns-per-episode", default="")
+  p.add_argument("--turns-dist", choices=("geometric", "fixed"), default="geometric")
+  p.add_argument("--observation-tokens", type=int, default=16)
   p.add_argument("--out", default="runs/plan")
   args = p.parse_args(rest)
+  turns = _ints(args.turns_per_episode, "--turns-per-episode", kind=float) or None
+  if turns:
+    turns = planner.turn_model(cfg, turns_per_episode=turns if len(turns) > 1 else turns[0],
+                               kind=args.turns_dist, observation_tokens=args.observation_tokens)
   if args.devices is None and not args.validate:
     sys.exit("error: --devices is required (the cluster size to plan for)")
   profile = None
@@ -56,7 +67,7 @@ def _main(argv):
   result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
                         staleness_values=_ints(args.sweep_staleness, "--sweep-staleness"),
                         inflight_values=_ints(args.sweep_inflight, "--sweep-inflight", auto=True),
-                        max_discard_rate=args.max_discard)
+                        max_discard_rate=args.max_discard, turns=turns)
   print(planner.format_plan(result))
   if result.recommended is not None:
     print("run it with: " + " ".join(planner.overrides(cfg, result.recommended)))

@@ -255,6 +255,11 @@ DOMAINS = {
     # 10**digits must fit the int64 the procedural tasks draw operands with.
     "task.digits": "[1, 18]", "task.num_terms": ">= 2", "task.format_reward": ">= 0",
     "task.heldout_size": ">= 1", "task.heldout_fraction": "(0, 1)",
+    "task.tool_demo_fraction": "[0, 1]",
+    "env.max_turns": ">= 1", "env.max_total_tokens": ">= 0", "env.tool.workers": ">= 1",
+    "env.tool.timeout_s": "> 0", "env.tool.retries": ">= 0", "env.tool.latency_mean_s": ">= 0",
+    "env.tool.latency_sigma": "> 0", "env.tool.latency_alpha": "> 0",
+    "env.tool.failure_prob": "[0, 1]",
     "verifier.workers": ">= 1", "verifier.timeout_s": "> 0", "verifier.retries": ">= 0",
     "verifier.latency_mean_s": ">= 0", "verifier.latency_sigma": "> 0",
     "verifier.latency_alpha": "> 0", "verifier.failure_prob": "[0, 1]",
@@ -272,6 +277,7 @@ _DOMAIN_NOTES = {
     "rl.max_staleness": "0 = on-policy only", "rl.max_inflight_groups": "-1 = auto",
     "rl.group_size": "group advantages compare completions of one prompt",
     "checkpoint.every": "0 = off", "rl.eval_every": "0 = only at start and end",
+    "env.max_total_tokens": "0 = sampler.max_new_tokens",
 }
 # A checkpoint continues a run only with the same values of these fields (prefixes end
 # with "."): they define the model's shapes, the prompt stream its saved iterator state
@@ -354,8 +360,10 @@ def check_inputs(cfg) -> None:
       tasks.make_task(t, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
     except tasks.TaskError as e:
       raise ConfigError(f"config field 'task': {e}") from None
-  if cfg.verifier.latency == "empirical":
-    _readable_file("verifier.latency_file", cfg.verifier.latency_file)
+  for section in ("verifier", "env.tool"):
+    sub = _get(cfg, section)
+    if sub.latency == "empirical":
+      _readable_file(f"{section}.latency_file", sub.latency_file)
   _require(cfg.model.preset in presets.PRESETS, f"config field 'model.preset' must be one of "
            f"{', '.join(map(repr, sorted(presets.PRESETS)))}; got {cfg.model.preset!r}")
   if cfg.model.path:
@@ -396,6 +404,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "verifier.backend", ("threads", "processes"))
   _choice(cfg, "verifier.latency", ("none", "fixed", "lognormal", "pareto", "empirical"))
   _choice(cfg, "verifier.on_error", ("drop", "zero"))
+  _choice(cfg, "env.tool.backend", ("threads", "processes"))
+  _choice(cfg, "env.tool.latency", ("none", "fixed", "lognormal", "pareto", "empirical"))
   _choice(cfg, "data.on_long_prompt", ("truncate", "drop"))
   _choice(cfg, "data.on_bad_line", ("skip", "fail"))
   _choice(cfg, "task.matcher", ("exact", "numeric", "regex"))
@@ -421,10 +431,15 @@ def _check_cross_fields(cfg) -> None:
   _require(max(t.length_buckets) >= need_len,
            f"config field 'trainer.length_buckets' must reach data.max_prompt_length + "
            f"sampler.max_new_tokens = {need_len}; largest is {max(t.length_buckets)}")
-  if cfg.verifier.latency == "pareto":
-    _require(cfg.verifier.latency_alpha > 1.0,
-             "config field 'verifier.latency_alpha' must be > 1 for a finite-mean Pareto; "
-             f"got {cfg.verifier.latency_alpha}")
+  for section in ("verifier", "env.tool"):
+    sub = _get(cfg, section)
+    if sub.latency == "pareto":
+      _require(sub.latency_alpha > 1.0, f"config field '{section}.latency_alpha' must be > 1 "
+               f"for a finite-mean Pareto; got {sub.latency_alpha}")
+  _require(cfg.env.max_total_tokens <= s.max_new_tokens,
+           f"config field 'env.max_total_tokens' ({cfg.env.max_total_tokens}) must be <= "
+           f"sampler.max_new_tokens ({s.max_new_tokens}), the longest completion the sampler "
+           "caches (0 = sampler.max_new_tokens)")
   _check_files(cfg)
 
 

@@ -2,9 +2,13 @@
 
 Names are flat and prefixed by area, following the seed's monitoring table:
 
-  sampler/*      tokens_per_s, rollouts_per_s, active_slots, kv_pages_used, busy_frac
+  sampler/*      tokens_per_s, rollouts_per_s, active_slots, kv_pages_used, busy_frac;
+                 tool use: parked (sequences waiting for a tool: pages held, no slot),
+                 parked_pages, parked_mean (since the last row), model_tokens_per_s and
+                 env_tokens_per_s (completion tokens by source: sampled / observation)
   lengths/*      p50, p90, p95, p99 completion length, truncation_rate
-  latency/*      rollout_p50/p95/p99 (admission -> finished), verifier_p50/p95/p99
+  latency/*      rollout_p50/p95/p99 (admission -> finished), verifier_p50/p95/p99,
+                 tool_p50/p95/p99 (tool call submitted -> result, queueing included)
   queue/*        depth, enqueue_rate, dequeue_rate, oldest_age_s, inflight_groups
   staleness/*    mean, max, hist_<k> (accepted groups by staleness k), accepted,
                  discarded, discarded_v<version> (discards by behaviour version)
@@ -26,6 +30,13 @@ Names are flat and prefixed by area, following the seed's monitoring table:
                  lines of a task file), heldout_prompts_dropped, heldout_prompts_truncated;
                  running totals, also in summary.json without the prefix
   checkpoint/*   last_step (newest committed checkpoint step, -1 before one), blocking_s
+  env/*          tool use (tasks with an environment): turns_mean, tool_calls_mean and
+                 tool_call_rate (share with >= 1 call) of the rollouts finished since the
+                 last row; tool_error_rate since the last row; running totals
+                 tool_calls_total, tool_failures_total, tool_timeouts_total,
+                 tool_results_dropped (late results of finished or restarted episodes),
+                 episodes_ended_max_turns, tokens_model_total, tokens_env_total;
+                 heldout_tool_call_rate (greedy held-out episodes with >= 1 call)
 
 Staleness of a rollout at consumption = trainer_version - min(token_versions), in
 published policy versions; a group's staleness is the max over its rollouts.
@@ -53,6 +64,9 @@ DESCRIPTIONS = {
     "queue/enqueue_rate": "verified groups put on the queue per second since the last row",
     "queue/dequeue_rate": "groups the trainer took from the queue per second since the last row",
     "reward/heldout": "mean correctness reward of greedy completions on the fixed held-out set",
+    "env/heldout_tool_call_rate": "share of greedy held-out episodes that call the tool at "
+                                  "least once",
+    "sampler/parked": "sequences parked waiting for a tool: KV pages held, decode slot free",
 }
 
 
@@ -168,6 +182,10 @@ class Console:
             f"stale {g('staleness/mean', '{:.2f}')} (disc {g('staleness/discarded', '{:d}')}) "
             f"samp {g('sampler/tokens_per_s', '{:.0f}')} tok/s "
             f"train {g('trainer/tokens_per_s', '{:.0f}')} tok/s")
+    if "env/tool_call_rate" in m:
+      text += (f" tool calls {g('env/tool_call_rate', '{:.2f}')} "
+               f"(held-out {g('env/heldout_tool_call_rate', '{:.2f}')}) "
+               f"parked {g('sampler/parked', '{:d}')}")
     print(text, file=self.stream, flush=True)
 
   def message(self, text: str) -> None:

@@ -119,20 +119,51 @@ def make_plots(runs: list[dict], outdir: str) -> list[str]:
   ax.set_title("Response-length percentiles")
   ax.legend(fontsize=7)
   save(fig, "lengths.png")
+  tool_runs = [r for r in runs if r["summary"].get("heldout_tool_call_rate_curve")]
+  if tool_runs:
+    save(_tool_figure(plt, tool_runs), "tool_use.png")
   return files
+
+
+def _tool_figure(plt, runs):
+  """Tool use: held-out tool-call rate over time, and tool latency percentiles."""
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  for i, run in enumerate(runs):
+    c = np.asarray(run["summary"]["heldout_tool_call_rate_curve"], float)
+    left.plot(c[:, 0], c[:, 2], marker="o", color=f"C{i}", label=run["name"])
+    for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
+      t, v = _series(run["rows"], f"latency/tool_{q}")
+      if len(t):
+        right.plot(t, v, style, color=f"C{i}", label=f"{run['name']} {q}")
+  left.set_xlabel("pipeline wall time (s)")
+  left.set_ylabel("held-out episodes with a tool call")
+  left.set_title("Held-out tool-call rate")
+  left.legend()
+  right.set_xlabel("pipeline wall time (s)")
+  right.set_ylabel("tool latency (s)")
+  right.set_title("Tool latency percentiles")
+  right.legend(fontsize=7)
+  return fig
 
 
 _KEYS = ("wall_time_s", "optimizer_steps", "heldout_reward_initial", "heldout_reward_final",
          "rollouts_generated", "rollouts_trained", "rollouts_discarded_stale",
          "sampler_tokens_per_s", "trainer_tokens_per_s", "weight_sync_s_mean",
          "sampler_busy_frac", "trainer_busy_frac", "max_queue_depth")
+# Tool use (runs of a task with an environment).
+_ENV_KEYS = ("heldout_tool_call_rate_initial", "heldout_tool_call_rate_final",
+             "turns_per_rollout_mean", "tool_calls_per_rollout_mean", "tool_call_rate",
+             "tool_latency_p50_s", "tool_latency_p95_s", "tool_latency_p99_s", "tool_calls",
+             "tool_failures", "tool_timeouts", "tokens_model", "tokens_env", "parked_max",
+             "parked_pages_max")
 
 
 def write_html(runs: list[dict], outdir: str, headline: str = "") -> str:
   files = make_plots(runs, outdir)
   head = "".join(f"<th>{html.escape(r['name'])}</th>" for r in runs)
   body = ""
-  for k in _KEYS:
+  env = any("tool_call_rate" in r["summary"] for r in runs)
+  for k in _KEYS + (_ENV_KEYS if env else ()):
     cells = ""
     for r in runs:
       v = r["summary"].get(k)

@@ -36,6 +36,19 @@ def test_variant_and_overrides():
   assert isinstance(cfg.trainer.learning_rate, float)
 
 
+def test_calculator_config_and_its_sync_variant():
+  spec = os.path.join(ROOT, "configs", "calculator.py")
+  cfg, _ = load(spec=spec)
+  sync, _ = load(spec=spec + ":mode=sync")
+  assert (cfg.rl.mode, sync.rl.mode, cfg.task.name) == ("async", "sync", "calculator")
+  assert cfg.env.tool.latency == "lognormal"
+  sync.rl.mode = "async"
+  assert sync.to_dict() == cfg.to_dict()
+  config_lib.validate(cfg, num_devices=8)
+  with pytest.raises(ConfigError, match="unknown variant 'turns'"):
+    load(spec=spec + ":turns=2")
+
+
 def test_sync_baseline_is_default_in_sync_mode():
   cfg, _ = load(spec=os.path.join(ROOT, "configs", "sync_baseline.py"))
   base, _ = load()
@@ -103,6 +116,11 @@ def test_bad_file_and_variant(tmp_path):
     ("model.attention", "flash", ["model.attention", "'cudnn'", "'splash'"]),
     ("model.remat", "some", ["model.remat", "'none', 'full', 'dots'"]),
     ("trainer.logprob_chunk_len", -1, ["trainer.logprob_chunk_len", ">= 0"]),
+    ("env.max_total_tokens", 64, ["env.max_total_tokens", "sampler.max_new_tokens (12)"]),
+    ("env.tool.latency", "gamma", ["env.tool.latency", "'lognormal'"]),
+    ("env.tool.backend", "fibers", ["env.tool.backend", "'threads'"]),
+    ("env.tool.latency_alpha", 1.0, ["env.tool.latency_alpha", "> 1"]),
+    ("env.tool.latency_file", "/nonexistent", ["env.tool.latency_file", "does not exist"]),
 ])
 def test_validation_errors(field, value, words):
   cfg, _ = load()
@@ -112,6 +130,9 @@ def test_validation_errors(field, value, words):
     node = node[p]
   with node.ignore_type():
     node[key] = value
+  if field in ("env.tool.latency_alpha", "env.tool.latency_file"):
+    cfg.env.tool.latency = "pareto" if field.endswith("alpha") else "empirical"
+    cfg.env.tool.latency_mean_s = 1.0
   if field == "rl.groups_per_step":
     cfg.mesh.trainer.update(data=1, fsdp=2, tensor=2)
     cfg.rl.group_size = 3  # 3 x 3 = 9 rollouts over 2 data-parallel trainer devices

@@ -8,8 +8,8 @@ import pytest
 
 from configs.base import get_config
 from rl_jax.data.jsonl import DataError, read_jsonl, require_str
-from rl_jax.data.prompts import (chat_format, encode_prompt, heldout_records,
-                                 make_prompt_source)
+from rl_jax.data.prompts import (chat_format, demonstration_tokens, encode_prompt,
+                                 heldout_records, make_prompt_source)
 from rl_jax.tasks.base import make_task
 
 
@@ -236,3 +236,17 @@ def test_chat_needs_a_template():
   with pytest.raises(DataError, match="data.chat=True needs a tokenizer with a chat template"):
     chat_format(configs(chat=True).data, TOK)
   assert chat_format(configs().data, TOK) is None
+
+
+def test_demonstration_tokens_mask_observations():
+  cfg = get_config().task
+  cfg.name, cfg.operators, cfg.tool_demo_fraction = "calculator", "*", 1.0
+  task = make_task(cfg)
+  ex = task.example(0)
+  tokens, mask = demonstration_tokens(task, ex, tokenizer=TOK)
+  call, obs = f"<calc>{ex.meta['expression']}</calc>", f"<result>{ex.answer}</result>"
+  assert tokens == TOK.encode(call + obs + ex.answer) + [TOK.eos_id]
+  assert mask.tolist() == [True] * len(call) + [False] * len(obs) + [True] * (len(ex.answer) + 1)
+  plain = make_task(get_config().task)  # no segments: the whole demonstration, eos
+  tokens, mask = demonstration_tokens(plain, plain.example(0), tokenizer=TOK)
+  assert tokens == TOK.encode(plain.example(0).answer) + [TOK.eos_id] and mask.all()

@@ -210,3 +210,52 @@ def test_worker_thread_error_stops_the_run(tmp_path, monkeypatch):
   with pytest.raises(loop.RunError, match="^a worker thread failed: RuntimeError: decode exploded"):
     loop.Pipeline(cfg, str(tmp_path)).run()
   assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]
+
+
+def test_calculator_tool_episodes_end_to_end(tmp_path):
+  """configs/calculator.py in miniature: episodes park at tool calls and resume with the
+  tool's answer. Every observation in every rollout is the calculator's answer to the
+  call before it (recomputed here), carries no log-prob or version, and the trainer's
+  token count is the trained rollouts' model tokens only."""
+  from rl_jax.model.tokenizer import CharTokenizer
+  from rl_jax.tasks.calculator import evaluate_call, observation
+  cfg, _ = config_lib.parse_args([
+      "--config", os.path.join(ROOT, "configs/calculator.py"), "--config.rl.total_steps=2",
+      "--config.rl.groups_per_step=2", "--config.rl.group_size=4", "--config.rl.eval_every=0",
+      "--config.task.heldout_size=4", "--config.task.tool_demo_fraction=1.0",
+      "--config.warmstart.steps=40", "--config.warmstart.batch_size=16",
+      "--config.sampler.max_concurrent_decodes=4", "--config.sampler.page_size=16",
+      "--config.trainer.length_buckets=(64,)",
+      "--config.env.tool.latency=fixed", "--config.env.tool.latency_mean_s=0.01",
+      "--config.metrics.console=false", "--config.metrics.tensorboard=false"])
+  pipe, summary, rollouts = run_pipeline(config_lib.validate(cfg), tmp_path)
+  tok = CharTokenizer()
+  observations = 0
+  for r in rollouts:
+    model = r.model_token_mask
+    assert r.model_mask is not None and r.num_turns >= 1
+    assert np.all(r.token_versions[~model] == -1) and np.all(r.behavior_logprobs[~model] == 0)
+    assert np.all(r.token_versions[model] >= 0) and np.all(r.behavior_logprobs[model] <= 0)
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], model.astype(int), [1]])))
+    for begin, end in zip(edges[::2], edges[1::2]):  # each observation: [begin, end)
+      call = tok.decode(r.completion_tokens[:begin]).rpartition("</calc>")
+      assert call[1] and not call[2], "an observation follows a closing tag"
+      try:
+        want = observation(evaluate_call(call[0].rpartition("<calc>")[2]))
+      except ValueError:
+        want = observation(None)
+      got = tok.decode(r.completion_tokens[begin:end])
+      assert got == want or (r.finish_reason == "length" and end == r.num_tokens and
+                             want.startswith(got))
+      observations += 1
+  assert observations > 0
+  errors = sum(r.completion_text.count(observation(None)) for r in rollouts)
+  assert summary["tool_calls"] >= observations and summary["tool_failures"] >= errors
+  assert summary["heldout_tool_call_rate_initial"] > 0
+  assert len(summary["heldout_tool_call_rate_curve"]) == 2
+  trained = {gid for _, gid, _ in pipe.acc.trained_log}
+  model_tokens = sum(int(r.model_token_mask.sum()) for r in rollouts if r.group_id in trained)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert sum(r["optim/tokens"] for r in rows if "optim/tokens" in r) == model_tokens
+  assert all("env/tool_calls_mean" in r and "latency/tool_p99" in r
+             for r in rows if "optim/loss" in r)

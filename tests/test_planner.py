@@ -13,7 +13,7 @@ import pytest
 from rl_jax import config as config_lib
 from rl_jax import planner
 from rl_jax.planner import capacity, memory, profile as profile_lib
-from rl_jax.planner.models import (DEVICES, LengthModel, SamplerModel, TrainerModel,
+from rl_jax.planner.models import (DEVICES, LengthModel, SamplerModel, TrainerModel, TurnModel,
                                    VerifierModel)
 from rl_jax.tasks.latency import Latency
 
@@ -425,9 +425,58 @@ def test_cli_missing_profile_dir_is_one_clear_error(tmp_path):
 def test_cli_plans_and_writes_png(tmp_path):
   proc = _plan_cli("--config", "configs/default.py", "--devices", "4", *PINNED,
                    "--config.rl.total_steps=12", "--sweep-inflight", "auto,16",
-                   "--out", str(tmp_path))
+                   "--turns-per-episode", "2", "--config.env.tool.latency=fixed",
+                   "--config.env.tool.latency_mean_s=0.5", "--out", str(tmp_path))
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
   assert "recommended:" in out and "2x longer responses" in out
+  assert "tool use: 2 turns per episode" in out
   assert "2x slower verification" in out and "--config.mesh.sampler.data=" in out
   assert os.path.getsize(tmp_path / "plan.png") > 1000
+
+
+@pytest.mark.parametrize("tool_workers, finish_s", [(2, 1.15), (1, 2.10)])
+def test_tool_waits_free_the_slot_for_other_work(tool_workers, finish_s):
+  """One slot, two sequences of 10 model tokens in 2 turns (5 + 5), decode step 0.01 s,
+  tool call 1 s. Hand timeline: A decodes 0..0.05 and parks; B takes the slot 0.05..0.10
+  and parks; with 2 tool workers A resumes at 1.05 (done 1.10) and B at 1.10 (done 1.15);
+  with 1 worker B's call waits for A's (1.05..2.05), so B is done at 2.10. Then verify
+  (0 s), train (0.5 s) and publish (0.1 s)."""
+  turns = TurnModel(kind="fixed", mean_turns=2, observation_tokens=3,
+                    tool=VerifierModel(latency=Latency(kind="fixed", mean_s=1.0),
+                                       workers=tool_workers))
+  sc = _scenario(mode="sync", groups_per_step=1, group_size=2, num_steps=1, decode_slots=1,
+                 lengths=LengthModel(kind="empirical", values=(10,), max_tokens=32),
+                 trainer=TrainerModel(fixed_s=0.5, tokens_per_s_per_device=1e15),
+                 weight_sync_s=0.1, turns=turns, max_live_sequences=2)
+  pred = planner.simulate(sc)
+  assert pred.wall_s == pytest.approx(finish_s + 0.6, abs=1e-9)
+  assert pred.sampler_busy_frac * pred.wall_s == pytest.approx(4 * 5 * 0.01, abs=1e-9)
+  # completion = 10 model + 3 observation tokens; both rollouts trained, none parked now
+  assert pred.rows[-1]["lengths/p50"] == 13 and pred.rows[-1]["sampler/parked"] == 0
+  assert pred.rollouts_trained == 2
+  # A is parked 0.05..1.05 and B 0.10..(1.10 or 2.05): the time-averaged parked count
+  parked_s = 1.0 + (1.0 if tool_workers == 2 else 1.95)
+  assert pred.parked_mean * pred.wall_s == pytest.approx(parked_s, abs=1e-9)
+
+
+def test_turn_model_draws_and_budget():
+  tool = VerifierModel(latency=Latency(kind="none"), workers=1)
+  geo = TurnModel(kind="geometric", mean_turns=2.5, tool=tool, max_turns=50)
+  k = geo.sample(np.random.default_rng(0), 20000)
+  assert k.min() == 1 and k.mean() == pytest.approx(2.5, rel=0.03)
+  assert TurnModel(kind="empirical", mean_turns=0, values=(1, 3), tool=tool).sample(
+      np.random.default_rng(0), 1000).mean() == pytest.approx(2, rel=0.1)
+  cut = TurnModel(kind="fixed", mean_turns=3, tool=tool, observation_tokens=10)
+  assert cut.segments(9, 3, max_tokens=100) == [3, 3, 3]
+  assert cut.segments(10, 3, max_tokens=100) == [4, 3, 3]
+  # the budget holds model and observation tokens: 2 turns + 10 fit in 15, 3 + 20 do not
+  assert cut.segments(9, 3, max_tokens=15) == [3, 2]
+  cfg = _cfg("--config.env.tool.latency=fixed", "--config.env.tool.latency_mean_s=0.5",
+             "--config.env.tool.workers=3", "--config.env.max_turns=4")
+  model = capacity.turn_model(cfg, turns_per_episode=[1, 2, 6])
+  assert (model.kind, model.mean_turns, model.max_turns, model.tool.workers) == (
+      "empirical", 3.0, 4, 3)
+  assert model.tool.latency.mean_s == 0.5
+  with pytest.raises(capacity.PlanError, match="--turns-per-episode"):
+    capacity.turn_model(cfg, turns_per_episode=0.5)

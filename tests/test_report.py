@@ -40,3 +40,19 @@ def test_html_report_from_workdirs(tmp_path):
     assert png in page
   with pytest.raises(report.ReportError, match="summary.json does not exist"):
     report.load_run(str(tmp_path))
+
+
+def test_html_report_shows_tool_use(tmp_path):
+  d = _workdir(tmp_path, "async", [[0.0, 0, 0.2], [10.0, 10, 0.5]], {"0": 10})
+  summary = json.load(open(os.path.join(d, "summary.json")))
+  summary.update(heldout_tool_call_rate_curve=[[0.0, 0, 0.3], [10.0, 10, 0.9]],
+                 heldout_tool_call_rate_initial=0.3, heldout_tool_call_rate_final=0.9,
+                 tool_call_rate=0.75, tool_latency_p99_s=1.25)
+  open(os.path.join(d, "summary.json"), "w").write(json.dumps(summary))
+  rows = [{"step": i, "time_s": float(i), "latency/tool_p50": 0.1 * i, "latency/tool_p95": 0.2 * i,
+           "latency/tool_p99": 0.3 * i} for i in range(1, 4)]
+  open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join(json.dumps(r) for r in rows))
+  page = open(report.write_html([report.load_run(d)], str(tmp_path / "out"))).read()
+  assert "<td>heldout_tool_call_rate_final</td><td>0.9</td>" in page
+  assert "<td>tool_latency_p99_s</td><td>1.25</td>" in page
+  assert "tool_use.png" in page and os.path.getsize(tmp_path / "out" / "tool_use.png") > 1000

@@ -330,3 +330,36 @@ def test_disk_full_names_the_last_committed_step(tmp_path, monkeypatch):
   assert "failed:" not in message and "trainer" not in message
   assert ck.Checkpointer(str(tmp_path), read_only=True).latest_step() == 2
   assert not [t for t in threading.enumerate() if t.name == "sampler" and t.is_alive()]
+
+
+def test_queued_groups_round_trip_multi_turn_rollouts():
+  """pack_groups / unpack_groups keep every per-token array of a queued group, the
+  model mask and turn count of a multi-turn rollout, and None for a single-turn one."""
+  from rl_jax.orchestration import checkpointing
+  from rl_jax.tasks import make_task
+  from rl_jax.types import Group, Rollout
+  task = make_task(config_lib.base_config().task)
+  multi = Rollout(group_id=3, sample_index=0, prompt_tokens=np.array([1, 5], np.int32),
+                  completion_tokens=np.array([7, 8, 9, 10, 2], np.int32),
+                  behavior_logprobs=np.array([-0.5, 0, 0, -0.25, -0.125], np.float32),
+                  token_versions=np.array([4, -1, -1, 5, 5], np.int32),
+                  model_mask=np.array([True, False, False, True, True]), num_turns=2,
+                  reward=1.0, reward_info={"correct": 1.0}, verifier_status="ok",
+                  completion_text="x", finish_reason="stop")
+  single = Rollout(group_id=3, sample_index=1, prompt_tokens=np.array([1, 5], np.int32),
+                   completion_tokens=np.array([6, 2], np.int32),
+                   behavior_logprobs=np.array([-1, -2], np.float32),
+                   token_versions=np.array([4, 4], np.int32), verifier_status="ok")
+  group = Group(group_id=3, example=task.example(3), prompt_tokens=multi.prompt_tokens,
+                rollouts=[multi, single], index=3)
+  packed = json.loads(json.dumps(checkpointing.pack_groups([group])))
+  (back,) = checkpointing.unpack_groups(packed, task)
+  for got, want in zip(back.rollouts, group.rollouts):
+    for name in ("prompt_tokens", "completion_tokens", "behavior_logprobs", "token_versions"):
+      np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+      assert getattr(got, name).dtype == getattr(want, name).dtype
+    assert (got.num_turns, got.reward, got.sample_index) == (want.num_turns, want.reward,
+                                                             want.sample_index)
+  np.testing.assert_array_equal(back.rollouts[0].model_mask, multi.model_mask)
+  assert back.rollouts[0].model_mask.dtype == bool and back.rollouts[1].model_mask is None
+  assert back.rollouts[0].min_version == 4 and back.rollouts[0].staleness(6) == 2

@@ -31,7 +31,7 @@ def write_jsonl(path, records):
 
 def test_registry_lists_allowed_names_on_unknown_task():
   assert set(task_names()) >= {"arithmetic", "countdown", "gsm8k", "jsonl"}
-  with pytest.raises(TaskError, match=r"task.name='nope'.*arithmetic, countdown, gsm8k"):
+  with pytest.raises(TaskError, match=r"task.name='nope'.*arithmetic, calculator, countdown, gsm8k"):
     make_task(task_cfg(name="nope"))
 
 

@@ -84,6 +84,23 @@ def encode_prompt(text: str, *, tokenizer, max_length: int,
   return np.asarray(head + tokens, np.int32), truncated
 
 
+def demonstration_tokens(task, example, *, tokenizer) -> tuple[list[int], np.ndarray]:
+  """(tokens, bool mask) of the task's warm-up demonstration for `example`, eos included.
+
+  The mask is False at tokens the model does not write: the observations of a tool-using
+  demonstration (task.demonstration_segments: (text, written by the model) pieces, each
+  tokenized on its own as the environment's observations are). Tasks without segments
+  give task.demonstration(example), all True."""
+  segments = getattr(task, "demonstration_segments", None)
+  pieces = segments(example) if segments is not None else [(task.demonstration(example), True)]
+  tokens, mask = [], []
+  for text, by_model in pieces:
+    ids = list(tokenizer.encode(text))
+    tokens += ids
+    mask += [bool(by_model)] * len(ids)
+  return tokens + [tokenizer.eos_id], np.asarray(mask + [True], bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class _MakeRecord:
   """Maps a training index to its record; a class so grain can pickle it."""

@@ -11,6 +11,14 @@ rl_jax/metrics.py. Weight-sync timings (seconds, one value per publication):
                    updates the drain of its running sequences)
   pause_s          sampler-thread seconds spent taking the new weights between two calls
   lag_s            publication launched -> the first sampler step on that version
+
+Tool use (tasks with an environment, `has_env`): per finished rollout its model turns and
+tool calls, its tokens by source (model / environment observation), every tool result's
+status and latency (submitted -> result, queueing included), and the parked sequences
+(waiting for a tool: pages held, no slot) sampled after every sampler step. Running
+totals live in `counts` (so checkpoints carry them): env_episodes, env_turns,
+env_tool_calls, env_episodes_with_call, tokens_model, tokens_env, tool_<status>,
+tool_results_dropped, episodes_ended_<why>.
 """
 from __future__ import annotations
 
@@ -131,15 +139,47 @@ class RunAccounting:
     self.data_counters: Callable[[], dict[str, int]] = dict
     self._marks: collections.Counter = collections.Counter()  # counters at the last row
     self._last_row = (0.0, 0, 0, 0, 0)  # time, sampler tokens, trainer tokens, enq, deq
+    self.has_env = False  # set by the pipeline for a task with an environment
+    self.tool_latencies: list[float] = []  # since the last row
+    self.episodes: list[tuple[int, int, int, int]] = []  # since the last row: turns, tool
+    # calls, model tokens, observation tokens of each finished episode
+    self.all_tool_latencies = Reservoir(seed=3)
+    self.parked_samples = [0, 0, 0, 0]  # since the last row: n, sum; run: max, max pages
+    self.heldout_tool_call_rate: float | None = None  # the latest held-out evaluation's
 
   # -- recorders -------------------------------------------------------------------
 
-  def rollout_finished(self, r) -> None:
+  def rollout_finished(self, r, tool_calls: int | None = None) -> None:
+    """tool_calls: the calls its episode made (None: a single-turn task)."""
     with self.lock:
       self.finished.append(r)
       self.counts["rollouts_generated"] += 1
       self.sampler_tokens += r.num_tokens
       self.prompt_tokens_total += len(r.prompt_tokens)
+      if tool_calls is not None:
+        model = int(r.model_token_mask.sum())
+        self.episodes.append((r.num_turns, int(tool_calls), model, r.num_tokens - model))
+        self.counts.update(env_episodes=1, env_turns=r.num_turns, env_tool_calls=tool_calls,
+                           env_episodes_with_call=int(tool_calls > 0), tokens_model=model,
+                           tokens_env=r.num_tokens - model)
+
+  def tool_result(self, result) -> None:
+    """One tool call's final result (rl_jax.tasks.worker_pool.CallResult)."""
+    with self.lock:
+      self.counts[f"tool_{result.status}"] += 1
+      self.tool_latencies.append(result.latency_s)
+
+  def count(self, name: str, n: int = 1) -> None:
+    with self.lock:
+      self.counts[name] += n
+
+  def parked(self, sequences: int, pages: int) -> None:
+    """The generator's parked sequences and their pages after a sampler step."""
+    with self.lock:
+      p = self.parked_samples
+      p[0] += 1
+      p[1] += sequences
+      p[2], p[3] = max(p[2], sequences), max(p[3], pages)
 
   def verified(self, result) -> None:
     with self.lock:
@@ -250,7 +290,64 @@ class RunAccounting:
     for k, v in tm.items():
       row[("policy/" if k in _POLICY_KEYS else "optim/") + k] = v
     row.update(self._fault_row())
+    if self.has_env:
+      row.update(self._env_row(generator, dt))
     return row
+
+  def _env_row(self, generator, dt: float) -> dict:
+    """Tool use since the last row (module docstring), and the running totals."""
+    with self.lock:
+      lat, self.tool_latencies = self.tool_latencies, []
+      eps, self.episodes = self.episodes, []
+      n, total = self.parked_samples[:2]
+      self.parked_samples[:2] = [0, 0]
+      c = collections.Counter(self.counts)
+    self.all_tool_latencies.extend(lat)
+    turns, calls, model, env = np.asarray(eps, np.float64).reshape(-1, 4).T
+    results = {s: c[f"tool_{s}"] - self._marks[f"tool_{s}"] for s in ("ok", "timeout", "error")}
+    self._marks.update({f"tool_{s}": v for s, v in results.items()})
+    done = sum(results.values())
+    row = {
+        "sampler/parked": getattr(generator, "num_parked", 0),
+        "sampler/parked_pages": getattr(generator, "parked_pages", 0),
+        "sampler/parked_mean": total / n if n else 0.0,
+        "sampler/model_tokens_per_s": float(model.sum()) / dt,
+        "sampler/env_tokens_per_s": float(env.sum()) / dt,
+        "env/turns_mean": float(turns.mean()) if eps else 0.0,
+        "env/tool_calls_mean": float(calls.mean()) if eps else 0.0,
+        "env/tool_call_rate": float((calls > 0).mean()) if eps else 0.0,
+        "env/tool_error_rate": (results["timeout"] + results["error"]) / done if done else 0.0,
+        "env/tool_calls_total": c["tool_ok"] + c["tool_timeout"] + c["tool_error"],
+        "env/tool_failures_total": c["tool_error"],
+        "env/tool_timeouts_total": c["tool_timeout"],
+        "env/tool_results_dropped": c["tool_results_dropped"],
+        "env/episodes_ended_max_turns": c["episodes_ended_max_turns"],
+        "env/tokens_model_total": c["tokens_model"], "env/tokens_env_total": c["tokens_env"],
+        "env/heldout_tool_call_rate": self.heldout_tool_call_rate,
+    }
+    row.update(_pct_row("latency/tool", lat))
+    return row
+
+  def env_summary(self) -> dict:
+    """summary.json's tool-use entries (module docstring), over the run's lineage."""
+    with self.lock:
+      c = collections.Counter(self.counts)
+      parked_max, parked_pages_max = self.parked_samples[2:]
+    episodes = max(c["env_episodes"], 1)
+    lat = metrics_lib.percentiles(self.all_tool_latencies.values, (50, 95, 99))
+    return {
+        "turns_per_rollout_mean": c["env_turns"] / episodes,
+        "tool_calls_per_rollout_mean": c["env_tool_calls"] / episodes,
+        "tool_call_rate": c["env_episodes_with_call"] / episodes,
+        **{f"tool_latency_{k}_s": v for k, v in lat.items()},
+        "tool_calls": c["tool_ok"] + c["tool_timeout"] + c["tool_error"],
+        "tool_failures": c["tool_error"], "tool_timeouts": c["tool_timeout"],
+        "tool_results_dropped": c["tool_results_dropped"],
+        "episodes_ended_max_turns": c["episodes_ended_max_turns"],
+        "tokens_model": c["tokens_model"], "tokens_env": c["tokens_env"],
+        "parked_max": parked_max, "parked_pages_max": parked_pages_max,
+        "tool_latency_s": self.all_tool_latencies.values,
+    }
 
   def _fault_row(self) -> dict:
     """Verifier health and checkpoint/resume counters."""

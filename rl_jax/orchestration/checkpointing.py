@@ -45,7 +45,9 @@ def pack_groups(groups: list[Group]) -> dict:
   rows = [r for g in groups for r in g.rollouts]
   arrays = {}
   for name, dtype in _ROLLOUT_ARRAYS:
-    parts = [np.asarray(getattr(r, name), dtype) for r in rows]
+    # A single-turn rollout's model_mask (None) is stored as all True.
+    parts = [np.asarray(r.model_token_mask if name == "model_mask" else getattr(r, name), dtype)
+             for r in rows]
     arrays[name] = np.concatenate(parts) if parts else np.zeros(0, dtype)
     arrays[name + "_len"] = np.asarray([len(x) for x in parts], np.int64)
   buf = io.BytesIO()
@@ -58,6 +60,7 @@ def pack_groups(groups: list[Group]) -> dict:
 
 def _rollout_fields(r: Rollout) -> dict:
   out = {f: getattr(r, f) for f in _ROLLOUT_FIELDS}
+  out["multi_turn"] = r.model_mask is not None
   out["reward"] = float(r.reward)
   out["reward_info"] = {k: float(v) for k, v in r.reward_info.items()}
   return out
@@ -68,13 +71,18 @@ def unpack_groups(packed: dict | None, task) -> list[Group]:
   if not packed or not packed["groups"]:
     return []
   data = np.load(io.BytesIO(base64.b64decode(packed["arrays"])))
+  # Checkpoints written before multi-turn rollouts have no model_mask.
   splits = {name: np.split(data[name], np.cumsum(data[name + "_len"])[:-1])
-            for name, _ in _ROLLOUT_ARRAYS}
+            for name, _ in _ROLLOUT_ARRAYS if name in data}
   groups, row = [], 0
   for g in packed["groups"]:
     rollouts = []
     for fields in g["rollouts"]:
-      arrays = {name: splits[name][row] for name, _ in _ROLLOUT_ARRAYS}
+      fields = dict(fields)
+      multi_turn = fields.pop("multi_turn", False)
+      arrays = {name: split[row] for name, split in splits.items()}
+      if not multi_turn:
+        arrays["model_mask"] = None
       rollouts.append(Rollout(group_id=g["group_id"], **arrays, **fields))
       row += 1
     groups.append(Group(group_id=g["group_id"], example=task.example(g["index"]),
@@ -84,10 +92,11 @@ def unpack_groups(packed: dict | None, task) -> list[Group]:
 
 
 _ROLLOUT_ARRAYS = (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
-                   ("behavior_logprobs", np.float32), ("token_versions", np.int32))
+                   ("behavior_logprobs", np.float32), ("token_versions", np.int32),
+                   ("model_mask", bool))
 _ROLLOUT_FIELDS = ("sample_index", "finish_reason", "reward", "verifier_status", "reward_info",
                    "completion_text", "admitted", "first_token", "finished", "verified",
-                   "enqueued")
+                   "enqueued", "num_turns")
 
 
 def _warn(text: str) -> None:
@@ -156,6 +165,7 @@ class RunCheckpoints:
         "step": step, "train_step": int(train_step), "skipped": int(skipped),
         "version": p.version, "wall_time_s": p.acc.clock.now(),
         "heldout_initial": p.heldout_initial, "heldout_curve": list(p.curve),
+        "heldout_tool_call_rate_curve": list(p.tool_curve),
         "prompts": prompts, "next_group_id": cut,
         # Every group yields group_size verifier calls, so in sync mode this is the call
         # index the uninterrupted run reaches at the cut; in async mode it is unused yet.
@@ -201,6 +211,9 @@ class RunCheckpoints:
     if kl:
       p.trainer.ref_params = r.ref_params
     p.version = p.worker.trainer_version = int(loop["version"])
+    p.tool_curve = list(loop.get("heldout_tool_call_rate_curve", []))
+    if p.tool_curve:
+      p.acc.heldout_tool_call_rate = p.tool_curve[-1][2]
     p.prompts.set_state(loop["prompts"])
     p.worker.next_group_id = int(loop["next_group_id"])
     # The pool draws each call's injected latency and failure from (seed, call index);

@@ -19,6 +19,12 @@ decision is the StalenessPolicy's (rl_jax/orchestration/policy.py):
          trainer discards groups whose staleness exceeds max_staleness; new weights reach
          running sequences between decode steps when inflight_weight_updates is on.
 
+Tool use: for a task with an environment (rl_jax/envs) every rollout is an episode of
+model turns and tool observations; the sampler thread parks a sequence at each tool call
+(its slot serves others, its pages stay), runs the call in the tool pool and resumes the
+sequence with the observation (rl_jax/orchestration/episodes.py). Held-out evaluation
+runs whole greedy episodes and also records the held-out tool-call rate.
+
 Staleness of a group at consumption = trainer_version - min over its tokens' versions.
 Held-out evaluation pauses the sampler and the clock, so wall_time_s compares modes on
 the pipeline alone. Counters, the metrics row and summary.json: accounting.py.
@@ -43,7 +49,7 @@ from rl_jax.errors import UserError
 from rl_jax.orchestration import checkpointing
 from rl_jax.orchestration.accounting import Clock, RunAccounting
 from rl_jax.orchestration.errors import Preempted, RunError
-from rl_jax.orchestration.heldout import Heldout
+from rl_jax.orchestration.heldout import make_heldout
 from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.orchestration.rollout_queue import RolloutQueue
 from rl_jax.orchestration.sampler_worker import Publication, SamplerWorker
@@ -57,12 +63,15 @@ class Pipeline:
 
   def __init__(self, cfg, workdir: str):
     import jax
+    from rl_jax import envs
     from rl_jax import model as model_lib
     from rl_jax import sharding
     from rl_jax.data import prompts as prompts_lib
     from rl_jax.orchestration import multihost
     from rl_jax.sampler.engine import Engine, Sampling
     from rl_jax.tasks import make_task
+    from rl_jax.envs.tools import ToolPool
+    from rl_jax.orchestration.episodes import EpisodeDriver
     from rl_jax.tasks.verifier_pool import VerifierPool
     from rl_jax.trainer.train_step import Trainer
 
@@ -80,8 +89,11 @@ class Pipeline:
     self.prompts = prompts_lib.make_prompt_source(
         self.task, cfg.data, self.tokenizer, seed=cfg.seed,
         process_index=shard[0], process_count=shard[1])
-    self.heldout = Heldout(self.task, cfg.data, self.tokenizer,
-                           max_new_tokens=cfg.sampler.max_new_tokens)
+    self.env = envs.make_env(self.task, cfg.env)
+    if self.env is not None and multi:
+      raise RunError(f"task.name={cfg.task.name!r} uses tools, and tool-using episodes run "
+                     "in a single process for now; run it without jax.distributed")
+    self.heldout = make_heldout(cfg, self.task, self.tokenizer, env=self.env)
 
     self.trainer = Trainer(self.model_cfg, cfg.trainer, self.meshes.trainer,
                            total_steps=cfg.rl.total_steps,
@@ -109,13 +121,20 @@ class Pipeline:
     # Followers take process 0's rewards from the event log and verify nothing.
     self.pool = (None if self.schedule.follower
                  else VerifierPool(self.task, cfg.verifier, seed=cfg.seed))
+    self.tool_pool, episodes = None, None
+    if self.env is not None:
+      self.tool_pool = ToolPool(self.env, cfg.env.tool, seed=cfg.seed)
+      episodes = EpisodeDriver(env=self.env, pool=self.tool_pool, tokenizer=self.tokenizer,
+                               accounting=self.acc, budget=envs.episode_budget(cfg))
+      self.acc.has_env = True
     self.worker = SamplerWorker(
         cfg=cfg, task=self.task, prompts=self.prompts, tokenizer=self.tokenizer,
         queue=self.queue, policy=self.policy, accounting=self.acc, schedule=self.schedule,
-        pool=self.pool, on_error=self._fail)
+        pool=self.pool, on_error=self._fail, episodes=episodes)
     self.version = 0  # trainer-owned policy version
     self.heldout_initial: float | None = None
     self.curve: list | None = None  # the held-out curve so far; set once RL starts
+    self.tool_curve: list = []  # tool use: [wall_time_s, step, held-out tool-call rate]
     self._error: BaseException | None = None
     self._error_lock = threading.Lock()
     self._consistent = True  # False while a train step owns (donates) self.state
@@ -208,6 +227,7 @@ class Pipeline:
                            f"{self.heldout_initial:.3f}")
       self.acc.clock = Clock()
       self.curve = [[0.0, 0, self.heldout_initial]]
+      self._note_tool_rate(0)
       self.checkpoints.save(step, heldout=self.heldout_initial)
     else:
       self.acc.clock = Clock(start_s=resumed["wall_time_s"])
@@ -222,6 +242,7 @@ class Pipeline:
     if evaluated:
       heldout = self.evaluate()
       self.curve.append([self.acc.clock.now(), step, heldout])
+      self._note_tool_rate(step)
     # The last step is saved after the final evaluation, in _finish. With keep_best every
     # evaluated step is saved, so the best one can be kept.
     every = cfg.checkpoint.every
@@ -259,10 +280,18 @@ class Pipeline:
         wall=wall, step=step, version=self.version,
         heldout=(self.heldout_initial, heldout_final), curve=self.curve,
         max_queue_depth=self.queue.max_depth_seen, groups_in_flight=in_flight)
+    if self.env is not None:
+      self._note_tool_rate(step, wall)
+      summary.update(self.acc.env_summary(), heldout_tool_call_rate_curve=self.tool_curve,
+                     heldout_tool_call_rate_initial=self.tool_curve[0][2],
+                     heldout_tool_call_rate_final=self.tool_curve[-1][2])
     if self.writer.enabled:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    self.writer.write(step, {"reward/heldout": heldout_final})
+    final_row = {"reward/heldout": heldout_final}
+    if self.env is not None:
+      final_row["env/heldout_tool_call_rate"] = self.acc.heldout_tool_call_rate
+    self.writer.write(step, final_row)
     self.writer.close()
     return summary
 
@@ -378,12 +407,23 @@ class Pipeline:
         result = self.heldout.score(completions)
     finally:
       self.acc.clock.resume()
+    if "tool_call_rate" in result:
+      self.acc.heldout_tool_call_rate = result["tool_call_rate"]
+      self.console.message(f"held-out: reward {result['reward_mean']:.3f}, accuracy "
+                           f"{result['accuracy']:.3f}, tool-call rate "
+                           f"{result['tool_call_rate']:.3f}, turns {result['turns_mean']:.2f}")
     return float(result["reward_mean"])
+
+  def _note_tool_rate(self, step: int, wall: float | None = None) -> None:
+    """Tool use: the latest held-out tool-call rate joins its curve."""
+    if self.env is not None:
+      t = self.acc.clock.now() if wall is None else wall
+      self.tool_curve.append([t, step, self.acc.heldout_tool_call_rate])
 
   def warmstart(self) -> None:
     """Supervised warm-up on the task's demonstrations (warmstart.steps > 0)."""
     import numpy as np
-    from rl_jax.data.prompts import encode_prompt
+    from rl_jax.data.prompts import demonstration_tokens, encode_prompt
     w = self.cfg.warmstart
     if w.steps <= 0:
       return
@@ -396,9 +436,9 @@ class Pipeline:
       examples = [self.task.example(int(i)) for i in idx]
       prompts = [encode_prompt(e.prompt, tokenizer=self.tokenizer,
                                max_length=self.cfg.data.max_prompt_length)[0] for e in examples]
-      completions = [self.tokenizer.encode(self.task.demonstration(e)) + [self.tokenizer.eos_id]
-                     for e in examples]
-      sft, m = self.trainer.sft_step(sft, self.trainer.make_sft_batch(prompts, completions))
+      demos = [demonstration_tokens(self.task, e, tokenizer=self.tokenizer) for e in examples]
+      sft, m = self.trainer.sft_step(sft, self.trainer.make_sft_batch(
+          prompts, [d[0] for d in demos], completion_masks=[d[1] for d in demos]))
       if step % 50 == 0 or step == w.steps - 1:
         self.console.message(f"warm-up step {step}: loss {m['loss']:.3f} "
                              f"token accuracy {m['token_accuracy']:.3f}")
@@ -469,8 +509,9 @@ class Pipeline:
   def _stop_workers(self) -> None:
     self.worker.stop()
     self.queue.close()
-    if self.pool is not None:
-      self.pool.close()
+    for pool in (self.pool, self.tool_pool):
+      if pool is not None:
+        pool.close()
 
 
 def run(cfg, workdir: str) -> dict:

@@ -15,6 +15,10 @@ leader: the admitted group ids and the version swapped in are logged before laun
      for an in-flight decode call to publish;
   3. one Generator.step; finished rollouts go to the verifier pool (followers take rewards
      from the event log instead).
+For a task with an environment (tool use), `episodes` (rl_jax/orchestration/episodes.py)
+applies the tool results that arrived before the step, and turns the turns it parked
+into tool calls after it; a parked sequence holds its KV pages but no decode slot, so
+the slot serves other sequences while the tool runs.
 
 A group whose verification ends in an error or timeout for any rollout is dropped when
 verifier.on_error="drop" (the default): never queued, counted, and its admission credit
@@ -55,10 +59,11 @@ class SamplerWorker:
   """Admits groups, steps the generator and routes finished rollouts to verification."""
 
   def __init__(self, *, cfg, task, prompts, tokenizer, queue, policy, accounting, schedule,
-               pool, on_error: Callable[[BaseException], None]):
+               pool, on_error: Callable[[BaseException], None], episodes=None):
     self.cfg, self.task, self.prompts, self.tokenizer = cfg, task, prompts, tokenizer
     self.queue, self.policy, self.acc, self.schedule = queue, policy, accounting, schedule
     self.pool = pool  # None: rewards come from elsewhere (a multi-process follower)
+    self.episodes = episodes  # an EpisodeDriver for tasks with an environment, else None
     self.on_error = on_error
     self.generator = None
     self.steps_done = 0  # optimizer steps completed, set by the trainer
@@ -134,6 +139,8 @@ class SamplerWorker:
         busy, finished = stepped
         if busy:
           self.acc.sampler_busy.add(t0, self.acc.clock.now())
+        if self.episodes is not None:
+          self.acc.parked(self.generator.num_parked, self.generator.parked_pages)
         v = self.generator.version
         if v != last_version:
           with self.lock:
@@ -153,6 +160,8 @@ class SamplerWorker:
     None when the multi-process leader had nothing to launch."""
     gen = self.generator
     with self.schedule.launch_lock():
+      if self.episodes is not None:
+        self.episodes.drain(gen)
       admitted = self.admit()
       busy = gen.num_active > 0 or gen.num_pending > 0
       version = self._newest_staged()
@@ -164,6 +173,8 @@ class SamplerWorker:
         self.swap_to(version)
       # An idle step still swaps in the weights (the sync barrier relies on it).
       finished = gen.step()
+      if self.episodes is not None:
+        finished += self.episodes.after_step(gen)
     return busy, finished
 
   # -- admission ---------------------------------------------------------------------
@@ -210,8 +221,13 @@ class SamplerWorker:
                     admitted=time.time(), index=int(record["index"]))
       self._groups[gid] = group
     self.queue.admitted()
-    self.generator.add_group(gid, group.prompt_tokens, self.cfg.rl.group_size,
-                             seed=self.cfg.seed * 1_000_003 + gid)
+    seed = self.cfg.seed * 1_000_003 + gid
+    if self.episodes is None:
+      self.generator.add_group(gid, group.prompt_tokens, self.cfg.rl.group_size, seed=seed)
+    else:
+      self.episodes.add_group(gid, group.example, self.cfg.rl.group_size)
+      self.generator.add_group(gid, group.prompt_tokens, self.cfg.rl.group_size, seed=seed,
+                               **self.episodes.group_kwargs())
     return gid
 
   def settle(self, gids) -> None:
@@ -242,7 +258,8 @@ class SamplerWorker:
         self._tick(time.monotonic())
         self._since = self._since if self.verifying else time.monotonic()
         self.verifying += 1
-    self.acc.rollout_finished(r)
+    calls = None if self.episodes is None else self.episodes.finished(r)
+    self.acc.rollout_finished(r, tool_calls=calls)
     r.completion_text = self.tokenizer.decode(r.completion_tokens)
     if self.pool is not None:
       self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,

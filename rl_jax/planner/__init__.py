@@ -2,7 +2,8 @@
 
   models     throughput / length / latency models, roofline priors, DeviceSpec
   memory     per-device memory of sampler and trainer, and whether a layout fits
-  simulate   discrete-event simulation of the sync / async loop -> Prediction
+  simulate   discrete-event simulation of the sync / async loop (tool-using episodes
+             included) -> Prediction (prediction: Prediction, diagnose)
   queueing   its event queue and verifier server pool
   profile    fit the models from a pilot workdir; steady-state metrics of a run
   capacity   sweep sampler / trainer splits, reject, rank, sensitivity, validation
@@ -11,10 +12,10 @@
 Nothing here imports the model, sampler or trainer at import time.
 """
 from rl_jax.planner.capacity import (Candidate, Layout, Plan, PlanError, layouts, load_profile,
-                                     overrides, plan, scenario, validate)
+                                     overrides, plan, scenario, turn_model, validate)
 from rl_jax.planner.memory import MemoryEstimate, estimate, kv_bytes_per_token
 from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, SamplerModel, TrainerModel,
-                                   VerifierModel)
+                                   TurnModel, VerifierModel)
 from rl_jax.planner.profile import Pilot, Profile, ProfileError, steady_state
 from rl_jax.planner.render import format_plan, format_validation, plot_plan
 from rl_jax.planner.queueing import ServerPool

@@ -22,6 +22,12 @@ Without a pilot profile every model is a roofline prior (rl_jax.planner.models) 
 config's model preset on `device`, with completion lengths lognormal around
 max_new_tokens / 2 (sigma 0.6), prompts of data.max_prompt_length tokens and verifier
 calls of 1 ms plus the configured injected latency.
+
+Tool use: `turns` (a TurnModel: turns per episode, the tool pool of the env.tool config
+section, observation tokens; `turn_model` builds it) makes every rollout an episode of
+decode segments and tool waits; without it a pilot profile's fitted turns are used. A
+parked sequence holds its KV, so the KV pool then also bounds the live sequences:
+max_live_sequences = R * KV tokens per replica / (prompt + max_new_tokens).
 """
 from __future__ import annotations
 
@@ -31,8 +37,9 @@ from rl_jax.orchestration.policy import StalenessPolicy, admission_bound
 from rl_jax.errors import UserError
 from rl_jax.planner import memory as memory_lib
 from rl_jax.planner import profile as profile_lib
-from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, VerifierModel, prior_sampler,
-                                   prior_trainer, prior_weight_sync_s, train_flops_per_token)
+from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, TurnModel, VerifierModel,
+                                   prior_sampler, prior_trainer, prior_weight_sync_s,
+                                   train_flops_per_token)
 from rl_jax.planner.simulate import Prediction, Scenario, diagnose, simulate
 
 
@@ -114,10 +121,37 @@ def _tensor(sub) -> int:
   return int(sub.get("tensor", 1))
 
 
+def turn_model(cfg, *, turns_per_episode, kind: str = "geometric",
+               observation_tokens: int = 16) -> TurnModel:
+  """Episodes of `turns_per_episode` model turns on average (a list: empirical values),
+  `kind` fixed | geometric, calling the tool pool of cfg.env.tool (latency, workers,
+  timeout, retries, failures as configured) and capped at env.max_turns."""
+  from rl_jax.tasks import base as task_base
+  from rl_jax.tasks.latency import make_latency
+  tool = cfg.env.tool
+  try:
+    latency = make_latency(tool, section="env.tool")
+  except task_base.TaskError as e:
+    raise PlanError(str(e)) from None
+  values = tuple(float(v) for v in turns_per_episode) if isinstance(
+      turns_per_episode, (list, tuple)) else ()
+  try:
+    return TurnModel(kind="empirical" if values else kind,
+                     mean_turns=float(sum(values) / len(values) if values else turns_per_episode),
+                     values=values, observation_tokens=int(observation_tokens),
+                     max_turns=int(cfg.env.max_turns),
+                     tool=VerifierModel(latency=latency, workers=int(tool.workers), base_s=1e-4,
+                                        timeout_s=float(tool.timeout_s),
+                                        failure_prob=float(tool.failure_prob),
+                                        retries=int(tool.retries)))
+  except ValueError as e:
+    raise PlanError(f"--turns-per-episode: {e}") from None
+
+
 def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_cfg, params: int,
              device: DeviceSpec, num_steps: int, max_staleness: int | None = None,
              max_inflight_groups: int | None = None, length_scale: float = 1.0,
-             verifier_scale: float = 1.0) -> Scenario:
+             verifier_scale: float = 1.0, turns: TurnModel | None = None) -> Scenario:
   """The simulation input for `cfg` on `layout`; see the module docstring for priors."""
   rl, s = cfg.rl, cfg.sampler
   t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
@@ -166,8 +200,11 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
   replicas = layout.sampler_devices // t_s
   slots = s.max_concurrent_decodes // int(cfg.mesh.sampler.get("data", 1))
   kv_tokens = memory_lib.kv_pool_bytes(sampler_cfg=s, kv_per_token=kv_tok)
-  slots = min(slots, kv_tokens // (prompt + int(s.max_new_tokens)))
+  live = kv_tokens // (prompt + int(s.max_new_tokens))
+  slots = min(slots, live)
   trainer_dp = max(layout.trainer_devices // t_t, 1)
+  if turns is None and profile is not None:
+    turns = profile.turns
   return Scenario(
       mode=rl.mode, groups_per_step=int(rl.groups_per_step), group_size=int(rl.group_size),
       max_staleness=int(staleness), max_inflight_groups=int(inflight),
@@ -179,7 +216,8 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       verifier=verifier.scaled(verifier_scale) if verifier_scale != 1.0 else verifier,
       sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
-      colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed))
+      colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed),
+      turns=turns, max_live_sequences=replicas * live if turns is not None else 0)
 
 
 def pilot_layout(cfg) -> Layout:
@@ -242,7 +280,7 @@ def check_layout(cfg, *, layout: Layout, model_cfg, params: int,
 def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: int,
              profile, model_cfg, params: int, device: DeviceSpec, memory_gib: float,
              num_steps: int, max_discard_rate: float, length_scale: float = 1.0,
-             verifier_scale: float = 1.0) -> Candidate:
+             verifier_scale: float = 1.0, turns: TurnModel | None = None) -> Candidate:
   """Checks one candidate and, when it can run, simulates it."""
   mem, reason = check_layout(cfg, layout=layout, model_cfg=model_cfg, params=params,
                              memory_gib=memory_gib)
@@ -259,7 +297,8 @@ def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: in
   cand.scenario = scenario(cfg, layout=layout, profile=profile, model_cfg=model_cfg,
                            params=params, device=device, num_steps=num_steps,
                            max_staleness=max_staleness, max_inflight_groups=max_inflight_groups,
-                           length_scale=length_scale, verifier_scale=verifier_scale)
+                           length_scale=length_scale, verifier_scale=verifier_scale,
+                           turns=turns)
   if cand.scenario.decode_slots < 1:
     cand.rejected = "the KV pool cannot hold one full-length sequence"
     return cand
@@ -286,13 +325,15 @@ def recommend(cands: list[Candidate], *, tolerance: float = 0.02) -> Candidate |
 
 def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"],
          memory_gib: float | None = None, staleness_values=None, inflight_values=None,
-         max_discard_rate: float = 0.05, max_steps: int = 200) -> Plan:
+         max_discard_rate: float = 0.05, max_steps: int = 200,
+         turns: TurnModel | None = None) -> Plan:
   """Evaluates every layout x max_staleness x max_inflight_groups, ranks, and tests the
   recommended candidate against 2x longer responses and 2x slower verification.
 
   inflight_values holds max_inflight_groups settings, -1 meaning (max_staleness + 1) *
   groups_per_step. Layouts that fail memory or batch checks appear once. Simulated runs
-  last min(rl.total_steps, max_steps) optimizer steps.
+  last min(rl.total_steps, max_steps) optimizer steps. `turns`: tool-using episodes
+  (turn_model), else single-turn rollouts (or the profile's fitted turns).
   """
   rl = cfg.rl
   if devices < 1:
@@ -318,7 +359,7 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   memory_gib = memory_gib or device.memory_gib
   common = dict(profile=profile, model_cfg=model_cfg, params=params, device=device,
                 memory_gib=memory_gib, num_steps=min(int(rl.total_steps), max_steps),
-                max_discard_rate=max_discard_rate)
+                max_discard_rate=max_discard_rate, turns=turns)
   checked = [(lay, *check_layout(cfg, layout=lay, model_cfg=model_cfg, params=params,
                                  memory_gib=memory_gib)) for lay in options]
   cands = [Candidate(layout=lay, max_staleness=settings[0][0],

@@ -22,6 +22,9 @@ Trainer (time of one optimizer step on D trainer devices):
 
   tokens = padded tokens of the batch (rows x length bucket), because the train step
   computes over the padded batch.
+
+Tool use (`TurnModel`): an episode alternates K decode segments (model turns) and K - 1
+tool waits; while it waits, a sequence holds its KV pages but no decode slot.
 """
 from __future__ import annotations
 
@@ -158,6 +161,60 @@ class VerifierModel:
     lat = dataclasses.replace(self.latency, mean_s=self.latency.mean_s * factor,
                               values=tuple(v * factor for v in self.latency.values))
     return dataclasses.replace(self, latency=lat, base_s=self.base_s * factor)
+
+
+TURN_KINDS = ("fixed", "geometric", "empirical")
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnModel:
+  """Model turns K per episode and the tool call between two turns.
+
+    fixed:      K = round(mean_turns)
+    geometric:  P(K = k) = p (1 - p)**(k - 1), k >= 1, p = 1 / mean_turns (E[K] = mean_turns)
+    empirical:  K drawn uniformly from `values`
+  then clipped to [1, max_turns]. A rollout's L model tokens split into min(K, L) decode
+  segments as equal as possible (`segments`); after every segment but the last the
+  sequence waits for one call of `tool` (a VerifierModel: the tool pool has the verifier
+  pool's workers, FIFO line, latency, timeout and retries), then observation_tokens are
+  prefilled into its context and it waits for a free decode slot (ahead of new samples).
+  """
+  kind: str
+  mean_turns: float
+  tool: VerifierModel
+  observation_tokens: int = 0
+  values: tuple[float, ...] = ()
+  max_turns: int = 1000
+
+  def __post_init__(self):
+    if self.kind not in TURN_KINDS:
+      raise ValueError(f"turn model kind must be one of {TURN_KINDS}, got {self.kind!r}")
+    if self.kind != "empirical" and not self.mean_turns >= 1:
+      raise ValueError(f"turns per episode must be >= 1, got {self.mean_turns}")
+    if self.kind == "empirical" and not self.values:
+      raise ValueError("empirical turn model needs at least one value")
+
+  def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
+    if self.kind == "fixed":
+      k = np.full(size, round(self.mean_turns))
+    elif self.kind == "geometric":
+      k = rng.geometric(1.0 / self.mean_turns, size=size)
+    else:
+      k = np.rint(np.asarray(self.values, np.float64)[rng.integers(len(self.values), size=size)])
+    return np.clip(k, 1, self.max_turns).astype(np.int64)
+
+  def segments(self, length: int, turns: int, max_tokens: int) -> list[int]:
+    """Decode segments of an episode: `length` model tokens in min(turns, length) parts as
+    equal as possible, longest first. The episode budget `max_tokens` holds model and
+    observation tokens (as env.max_total_tokens does): turns and then model tokens are
+    cut to fit it."""
+    obs = self.observation_tokens
+    k = max(1, min(int(turns), int(length)))
+    while k > 1 and k + obs * (k - 1) > max_tokens:
+      k -= 1
+    length = max(min(int(length), max_tokens - obs * (k - 1)), k)
+    base, extra = divmod(length, k)
+    return [base + (i < extra) for i in range(k)]
 
 
 def train_flops_per_token(*, params: int, kl: bool, extra_forward: bool) -> float:

@@ -39,6 +39,12 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             the pilot's injected verifier.latency; last, the same lognormal fit of
             latency/verifier_* as an upper bound.
   sync      summary weight_sync_s_mean.
+  turns     a tool-using pilot (summary turns_per_rollout_mean): a geometric TurnModel
+            with that mean, observation tokens = tokens_env / tool_calls, tool latency
+            empirical from summary tool_latency_s (submitted -> result: pool queueing
+            included, an upper bound of the service time), the pilot's env.tool pool;
+            the completion lengths are scaled by tokens_model / (tokens_model +
+            tokens_env), since the simulation adds the observations itself.
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ import statistics
 import numpy as np
 
 from rl_jax.errors import UserError
-from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel
+from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, TurnModel, VerifierModel
 from rl_jax.tasks.latency import Latency
 
 
@@ -82,6 +88,7 @@ class Profile:
   # True when the pilot logged no decode-step counts: `sampler` is a first guess that
   # rl_jax.planner.capacity.load_profile calibrates by simulating the pilot.
   needs_calibration: bool = False
+  turns: TurnModel | None = None  # a tool-using pilot's episodes
 
 
 def load_pilot(workdir: str, *, flag: str = "--profile", cfg=None) -> Pilot:
@@ -413,10 +420,32 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
                  for p, r in zip([base] + win[:-1], win))
     guess = busy * cfg.sampler.max_concurrent_decodes / max(tokens, 1.0)
     sampler = SamplerModel(base_s=max(guess, 1e-6), per_seq_s=0.0, per_ctx_token_s=0.0)
+  turns = fit_turns(pilot, notes)
+  if turns is not None:
+    s = pilot.summary
+    lengths = lengths.scaled(s["tokens_model"] / max(s["tokens_model"] + s["tokens_env"], 1))
   sync_s = pilot.summary.get("weight_sync_s_mean")
   if sync_s is None:
     sync_s = float(np.mean([r.get("weight_sync/duration_s", 0.0) for r in pilot.rows]))
   return Profile(sampler=sampler, trainer=trainer, lengths=lengths, verifier_latency=verifier,
                  weight_sync_s=float(sync_s), prompt_tokens=prompt,
                  sampler_tensor=int(cfg.mesh.sampler.get("tensor", 1)), notes=notes,
-                 needs_calibration=needs_calibration)
+                 needs_calibration=needs_calibration, turns=turns)
+
+
+def fit_turns(pilot: Pilot, notes: list[str]) -> TurnModel | None:
+  """A tool-using pilot's turns and tool calls (module docstring); None otherwise."""
+  s = pilot.summary
+  if "turns_per_rollout_mean" not in s:
+    return None
+  tool = pilot.cfg.env.tool
+  values = tuple(s.get("tool_latency_s") or ())
+  latency = Latency(kind="empirical", values=values) if values else Latency(kind="none")
+  obs = s["tokens_env"] / max(s["tool_calls"], 1)
+  notes.append(f"turns: {s['turns_per_rollout_mean']:.2f} per episode (geometric), "
+               f"{obs:.0f} observation tokens per call, tool latency from "
+               f"{len(values)} pilot calls")
+  return TurnModel(kind="geometric", mean_turns=max(float(s["turns_per_rollout_mean"]), 1.0),
+                   observation_tokens=int(round(obs)), max_turns=int(pilot.cfg.env.max_turns),
+                   tool=VerifierModel(latency=latency, workers=int(tool.workers),
+                                      timeout_s=float(tool.timeout_s), retries=0))

@@ -50,6 +50,10 @@ def format_plan(plan: Plan) -> str:
   lines.append(f"  staleness of trained groups {{{hist}}}; weight sync {100 * p.weight_sync_frac:.1f}% "
                f"of wall time; verifier wait {p.verifier_wait_mean_s:.3g}s per call; "
                f"mean active sequences {p.active_sequences_mean:.1f}")
+  if best.scenario.turns is not None:
+    lines.append(f"  tool use: {best.scenario.turns.mean_turns:.2g} turns per episode; mean "
+                 f"parked sequences {p.parked_mean:.1f} (KV held, slot free); tool pool "
+                 f"busy {100 * p.tool_busy_frac:.0f}%")
   for s in plan.sensitivity:
     c = s["candidate"]
     if c.prediction is None:

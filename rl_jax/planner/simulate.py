@@ -36,6 +36,14 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               pays TrainerModel.compile_s (XLA compiles per shape).
   colocated   one device set: a full batch starts training at the sampler's next step
               boundary, and the sampler stays paused while the trainer trains and publishes.
+  tool use    with Scenario.turns (a TurnModel), a rollout's model tokens split into K
+              decode segments; after each but the last the sequence leaves its slot (the
+              slot takes other work at once) and waits for a tool call in the tool pool
+              (its own servers and FIFO line, like the verifier's); then it queues for a
+              slot again ahead of new samples, its first step prefilling the observation
+              tokens. A parked sequence keeps its KV pages: admission also requires
+              active + waiting + parked sequences < max_live_sequences (what the KV pool
+              holds; 0 = no limit beyond the slots).
 
 Per optimizer step the simulation writes a row with loop.py's metric names (time_s,
 queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, lengths/p50, ...),
@@ -52,7 +60,9 @@ import math
 import numpy as np
 
 from rl_jax.orchestration.policy import StalenessPolicy
-from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, VerifierModel
+from rl_jax.planner.models import (LengthModel, SamplerModel, TrainerModel, TurnModel,
+                                   VerifierModel)
+from rl_jax.planner.prediction import Prediction, diagnose
 from rl_jax.planner.queueing import EventQueue, ServerPool
 from rl_jax.trainer.buckets import pick_bucket
 
@@ -83,6 +93,8 @@ class Scenario:
   colocated: bool = False
   steps_per_call: int = 1
   seed: int = 0
+  turns: TurnModel | None = None  # None: single-turn rollouts
+  max_live_sequences: int = 0  # sequences whose KV fits at once; 0: no limit
 
   @property
   def policy(self) -> StalenessPolicy:
@@ -93,37 +105,9 @@ class Scenario:
 
 
 @dataclasses.dataclass
-class Prediction:
-  """What a simulated run measured; rates are over the whole run [0, wall_s]."""
-  wall_s: float
-  optimizer_steps: int
-  steps_per_hour: float
-  rollouts_generated: int
-  rollouts_trained: int
-  rollouts_discarded: int
-  trained_rollouts_per_hour: float  # useful: discarded rollouts excluded
-  generated_rollouts_per_hour: float
-  discard_rate: float  # discarded groups / consumed groups
-  sampler_busy_frac: float
-  trainer_busy_frac: float
-  verifier_busy_frac: float
-  verifier_wait_mean_s: float
-  queue_depth_mean: float  # time average
-  queue_depth_max: int
-  rollout_age_mean_s: float  # admission -> consumption of accepted groups
-  staleness_mean: float
-  staleness_histogram: dict[int, int]
-  active_sequences_mean: float
-  sampler_tokens_per_s: float
-  trainer_padded_tokens_per_s: float  # rows x length bucket, what the train step computes
-  weight_sync_frac: float  # share of wall time the trainer spent publishing
-  rows: list[dict]
-
-
-@dataclasses.dataclass
 class _Group:
   admitted: float
-  lengths: np.ndarray
+  lengths: np.ndarray  # completion tokens of each rollout (observations included)
   min_version: float = math.inf
   verified: int = 0
 
@@ -173,11 +157,17 @@ class _Sim:
     self.events = EventQueue()
     self.policy = sc.policy
     self.pool = ServerPool(sc.verifier.workers)
-    # Sampler state: parallel arrays over active sequences, then the pending line.
+    # Sampler state: parallel arrays over active sequences (and the segments each has
+    # left after its current one), then the resumed and pending lines; a line entry is
+    # (group, segment tokens, context, later segments, tokens its start prefills).
     self.rem = np.zeros(0, np.int64)
     self.ctx = np.zeros(0, np.int64)
     self.gid = np.zeros(0, np.int64)
+    self.rest: list[tuple[int, ...]] = []
     self.pending: collections.deque = collections.deque()
+    self.resumed: collections.deque = collections.deque()
+    self.parked = 0  # waiting for a tool call
+    self.tools = ServerPool(sc.turns.tool.workers) if sc.turns is not None else None
     self.segment: _Segment | None = None
     self.token = 0
     self.held = False  # colocated: paused while the trainer runs
@@ -212,6 +202,7 @@ class _Sim:
     self.q_area = 0.0
     self.q_max = 0
     self.active_area = 0.0
+    self.parked_area = 0.0
     self.last_change = 0.0
     self.rows: list[dict] = []
     self.last_row = (0.0, 0, 0)
@@ -228,12 +219,15 @@ class _Sim:
     """Integrates queue depth and active sequences up to `now`."""
     dt = now - self.last_change
     self.q_area += len(self.queue) * dt
+    self.parked_area += self.parked * dt
     self.active_area += len(self.rem) * (dt if self.segment is not None else 0.0)
     self.last_change = now
 
   def _can_admit(self) -> bool:
     sc = self.sc
-    if len(self.rem) + len(self.pending) >= sc.decode_slots:
+    waiting = len(self.rem) + len(self.pending) + len(self.resumed)
+    if waiting >= sc.decode_slots or (sc.max_live_sequences and
+                                      waiting + self.parked >= sc.max_live_sequences):
       return False
     if not self.policy.can_admit(inflight=self.inflight, queued=len(self.queue),
                                  held=self.trainer_held):
@@ -254,9 +248,16 @@ class _Sim:
     gid = self.next_gid
     self.next_gid += 1
     lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
-    self.groups[gid] = _Group(admitted=now, lengths=lengths)
+    if sc.turns is None:
+      plans = [(int(n),) for n in lengths]
+    else:
+      plans = [tuple(sc.turns.segments(n, k, sc.lengths.max_tokens))
+               for n, k in zip(lengths, sc.turns.sample(self.rng, sc.group_size))]
+    obs = sc.turns.observation_tokens if sc.turns is not None else 0
+    completion = np.asarray([sum(p) + obs * (len(p) - 1) for p in plans], np.int64)
+    self.groups[gid] = _Group(admitted=now, lengths=completion)
     self.inflight += 1
-    self.pending.extend((gid, int(n)) for n in lengths)
+    self.pending.extend((gid, p[0], sc.prompt_tokens, p[1:], sc.prompt_tokens) for p in plans)
     return gid
 
   def _boundary(self, now: float, steps: int) -> None:
@@ -273,11 +274,15 @@ class _Sim:
       self.decode_steps += steps
       done = self.rem == 0
       if done.any():
-        self.row_lengths.extend((self.ctx[done] - sc.prompt_tokens).tolist())
-        for g in self.gid[done]:
-          self._rollout_finished(now, int(g))
+        for i in np.flatnonzero(done):
+          if self.rest[i]:
+            self._park(now, (int(self.gid[i]), int(self.ctx[i]), self.rest[i]))
+          else:
+            self.row_lengths.append(int(self.ctx[i]) - sc.prompt_tokens)
+            self._rollout_finished(now, int(self.gid[i]))
         keep = ~done
         self.rem, self.ctx, self.gid = self.rem[keep], self.ctx[keep], self.gid[keep]
+        self.rest = [r for r, k in zip(self.rest, keep) if k]
     if self.pending_version is not None and (sc.inflight_weight_updates or len(self.rem) == 0):
       self.sampler_version, self.pending_version = self.pending_version, None
     draining = self.pending_version is not None
@@ -288,21 +293,26 @@ class _Sim:
       return
     self._admit(now)
     free = 0 if draining else sc.decode_slots - len(self.rem)
-    starting = [self.pending.popleft() for _ in range(min(free, len(self.pending)))]
-    for g, _ in starting:
+    starting = []
+    for line in (self.resumed, self.pending):  # resumed sequences first (older work)
+      while line and len(starting) < free:
+        starting.append(line.popleft())
+    for g, *_ in starting:
       group = self.groups[g]
       group.min_version = min(group.min_version, self.sampler_version)
     if starting:
-      self.rem = np.concatenate([self.rem, [n for _, n in starting]])
-      self.ctx = np.concatenate([self.ctx, np.full(len(starting), sc.prompt_tokens)])
-      self.gid = np.concatenate([self.gid, [g for g, _ in starting]])
+      g, n, ctx, rest, _ = zip(*starting)
+      self.rem = np.concatenate([self.rem, n])
+      self.ctx = np.concatenate([self.ctx, ctx])
+      self.gid = np.concatenate([self.gid, g])
+      self.rest.extend(rest)
     if len(self.rem) == 0:
       return
     n, r, m = len(self.rem), sc.sampler_replicas, sc.sampler
     a_s = m.base_s + m.per_seq_s * n / r + m.per_ctx_token_s * float(self.ctx.sum()) / r
     self.token += 1
     self.segment = _Segment(
-        t0=now, prefill_s=m.prefill_per_token_s * sc.prompt_tokens * len(starting) / r,
+        t0=now, prefill_s=m.prefill_per_token_s * sum(e[4] for e in starting) / r,
         steps=self._call_boundary(int(self.rem.min())), a_s=a_s, g_s=m.per_ctx_token_s * n / r,
         token=self.token)
     self.events.push(now + self.segment.duration(self.segment.steps), "sampler",
@@ -324,7 +334,7 @@ class _Sim:
       if not self.held:
         self._boundary(now, 0)
       return
-    if not force and len(self.rem) + len(self.pending) >= self.sc.decode_slots:
+    if not force and len(self.rem) + len(self.pending) + len(self.resumed) >= self.sc.decode_slots:
       return
     target = min(self._call_boundary(seg.steps_done(now - seg.t0) + 1), seg.steps)
     if target < seg.steps:
@@ -332,6 +342,26 @@ class _Sim:
       self.token += 1
       seg.token = self.token
       self.events.push(seg.t0 + seg.duration(target), "sampler", (self.token, target))
+
+  # -- tool calls --------------------------------------------------------------------
+
+  def _park(self, now: float, item: tuple) -> None:
+    """A segment ended in a tool call: the sequence leaves its slot and waits for it."""
+    self.parked += 1
+    finish = self.tools.arrive(now, item, self.sc.turns.tool.service_s(self.rng))
+    if finish is not None:
+      self.events.push(finish, "tool", item)
+
+  def _tool_done(self, now: float, item: tuple) -> None:
+    nxt = self.tools.depart(now)
+    if nxt is not None:
+      self.events.push(nxt[0], "tool", nxt[1])
+    self._note_change(now)
+    self.parked -= 1
+    gid, ctx, rest = item
+    obs = self.sc.turns.observation_tokens
+    self.resumed.append((gid, rest[0], ctx + obs, rest[1:], obs))
+    self._poke(now)
 
   # -- verifier and queue ------------------------------------------------------------
 
@@ -460,6 +490,7 @@ class _Sim:
         "weight_sync/duration_s": published_s,
         "weight_sync/version": self.version,
         "sampler/active_slots": len(self.rem),
+        "sampler/parked": self.parked,
         "sampler/generate_calls": self.decode_steps // self.sc.steps_per_call,
         "trainer/step_time_s": self.train_s,
         **{f"lengths/p{q}": float(np.percentile(lengths, q)) for q in (50, 90, 95, 99)},
@@ -493,6 +524,8 @@ class _Sim:
           self._boundary(now, steps)
       elif kind == "verified":
         self._verified(now, payload)
+      elif kind == "tool":
+        self._tool_done(now, payload)
       elif kind == "trained":
         self._trained(now)
       else:
@@ -522,38 +555,11 @@ class _Sim:
         sampler_tokens_per_s=self.sampler_tokens / wall,
         trainer_padded_tokens_per_s=self.trainer_tokens / wall,
         weight_sync_frac=self.sync_busy_s / wall,
-        rows=self.rows)
+        rows=self.rows, parked_mean=self.parked_area / wall,
+        tool_busy_frac=(self.tools.service_total_s / (sc.turns.tool.workers * wall)
+                        if self.tools is not None else 0.0))
 
 
 def simulate(scenario: Scenario) -> Prediction:
   """Runs `scenario` until scenario.num_steps optimizer steps (with their publication)."""
   return _Sim(scenario).run()
-
-
-def diagnose(pred: Prediction, scenario: Scenario) -> str:
-  """Names the bottleneck, after the seed's eight-GPU exercise.
-
-    trainer-starved  queue mostly empty (mean depth under a quarter of a batch) and the
-                     trainer idle half the time or more
-    overproducing    staleness near the bound (mean >= bound / 2, bound > 0) with
-                     discards, or a queue averaging at least one batch, with a busy trainer
-    verifier-bound   trainer-starved, and the verifier pool busier than the sampler
-    balanced         neither
-  Sync mode waits at its barrier by design, so it is labelled by the larger share of
-  the step: "sync, training-bound" or "sync, generation-bound".
-  """
-  if scenario.mode == "sync":
-    return ("sync, training-bound" if pred.trainer_busy_frac >= 0.5
-            else "sync, generation-bound")
-  starved = (pred.queue_depth_mean < scenario.groups_per_step / 4 and
-             pred.trainer_busy_frac < 0.5)
-  if starved:
-    if pred.verifier_busy_frac > max(pred.sampler_busy_frac, 0.8):
-      return "verifier-bound"
-    return "trainer-starved"
-  bound = scenario.max_staleness
-  stale = bound > 0 and pred.staleness_mean >= bound / 2 and pred.discard_rate > 0
-  deep = pred.queue_depth_mean >= scenario.groups_per_step
-  if (stale or deep) and pred.trainer_busy_frac >= 0.7:
-    return "overproducing"
-  return "balanced"

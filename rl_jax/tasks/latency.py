@@ -1,20 +1,21 @@
-"""Injected verifier latency and failures, to study long-tailed verifiers.
+"""Injected verifier and tool latency and failures, to study long-tailed verifiers and tools.
 
-verifier.latency selects the distribution of the extra delay L (seconds) of one call;
-the parametric ones are scaled so that E[L] = verifier.latency_mean_s = m:
+The fields live in the verifier section and in env.tool (tool calls of environments);
+<section>.latency selects the distribution of the extra delay L (seconds) of one call;
+the parametric ones are scaled so that E[L] = <section>.latency_mean_s = m:
 
   none       L = 0
   fixed      L = m
   lognormal  L = exp(mu + sigma * N(0, 1)),  mu = ln(m) - sigma**2 / 2,
-             sigma = verifier.latency_sigma; median exp(mu) = m * exp(-sigma**2 / 2)
+             sigma = <section>.latency_sigma; median exp(mu) = m * exp(-sigma**2 / 2)
   pareto     L = x_m * (1 + Lomax(alpha)) (Pareto type I, minimum x_m),
-             x_m = m * (alpha - 1) / alpha, alpha = verifier.latency_alpha > 1;
+             x_m = m * (alpha - 1) / alpha, alpha = <section>.latency_alpha > 1;
              median x_m * 2**(1 / alpha); variance is infinite for alpha <= 2
-  empirical  L drawn uniformly from the values in verifier.latency_file (one number of
+  empirical  L drawn uniformly from the values in <section>.latency_file (one number of
              seconds per line; blank lines and lines starting with "#" are ignored);
              E[L] is the file's mean and latency_mean_s is unused
 
-and with probability verifier.failure_prob the call raises InjectedFailure after its
+and with probability <section>.failure_prob the call raises InjectedFailure after its
 delay. Draws for call c, attempt a come from numpy Generator(seed, c, a), so a run's
 delays and failures do not depend on thread scheduling.
 """
@@ -31,7 +32,7 @@ LATENCY_KINDS = ("none", "fixed", "lognormal", "pareto", "empirical")
 
 
 class InjectedFailure(RuntimeError):
-  """A verifier failure injected by verifier.failure_prob."""
+  """A failure injected by <section>.failure_prob."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +62,16 @@ class Latency:
     return draws if size is not None else float(draws[0])
 
 
-def read_latency_file(path: str) -> tuple[float, ...]:
+def read_latency_file(path: str, field: str = "verifier.latency_file") -> tuple[float, ...]:
   """Latencies in seconds from `path`, one per line; raises TaskError naming file:line."""
+  section = field.rpartition(".")[0]
   if not path:
-    raise TaskError("verifier.latency='empirical' needs verifier.latency_file.")
+    raise TaskError(f"{section}.latency='empirical' needs {field}.")
   try:
     with open(path, encoding="utf-8") as f:
       lines = f.readlines()
   except OSError as e:
-    raise TaskError(f"verifier.latency_file {path!r} cannot be read ({e.strerror}).") from None
+    raise TaskError(f"{field} {path!r} cannot be read ({e.strerror}).") from None
   values = []
   for line_no, line in enumerate(lines, start=1):
     text = line.strip()
@@ -84,30 +86,30 @@ def read_latency_file(path: str) -> tuple[float, ...]:
                       f"got {text[:40]!r}.")
     values.append(value)
   if not values:
-    raise TaskError(f"verifier.latency_file {path!r} holds no latencies.")
+    raise TaskError(f"{field} {path!r} holds no latencies.")
   return tuple(values)
 
 
-def make_latency(verifier_cfg) -> Latency:
-  """The Latency named by verifier.latency, validated."""
-  kind = verifier_cfg.latency
-  mean_s = float(verifier_cfg.latency_mean_s)
+def make_latency(cfg, section: str = "verifier") -> Latency:
+  """The Latency named by <section>.latency (the verifier section, or env.tool), validated."""
+  kind = cfg.latency
+  mean_s = float(cfg.latency_mean_s)
   if kind not in LATENCY_KINDS:
-    raise TaskError(f"verifier.latency must be one of {LATENCY_KINDS}, got {kind!r}.")
+    raise TaskError(f"{section}.latency must be one of {LATENCY_KINDS}, got {kind!r}.")
   if kind in ("fixed", "lognormal", "pareto") and not mean_s > 0:
-    raise TaskError(f"verifier.latency={kind!r} needs verifier.latency_mean_s > 0, "
+    raise TaskError(f"{section}.latency={kind!r} needs {section}.latency_mean_s > 0, "
                     f"got {mean_s}.")
-  if kind == "lognormal" and not float(verifier_cfg.latency_sigma) > 0:
-    raise TaskError(f"verifier.latency_sigma must be > 0, got {verifier_cfg.latency_sigma}.")
-  if kind == "pareto" and not float(verifier_cfg.latency_alpha) > 1:
-    raise TaskError("verifier.latency_alpha must be > 1 for a finite mean, got "
-                    f"{verifier_cfg.latency_alpha}.")
-  if not 0.0 <= float(verifier_cfg.failure_prob) <= 1.0:
-    raise TaskError(f"verifier.failure_prob must be in [0, 1], got "
-                    f"{verifier_cfg.failure_prob}.")
-  values = read_latency_file(verifier_cfg.latency_file) if kind == "empirical" else ()
-  return Latency(kind=kind, mean_s=mean_s, sigma=float(verifier_cfg.latency_sigma),
-                 alpha=float(verifier_cfg.latency_alpha), values=values)
+  if kind == "lognormal" and not float(cfg.latency_sigma) > 0:
+    raise TaskError(f"{section}.latency_sigma must be > 0, got {cfg.latency_sigma}.")
+  if kind == "pareto" and not float(cfg.latency_alpha) > 1:
+    raise TaskError(f"{section}.latency_alpha must be > 1 for a finite mean, got "
+                    f"{cfg.latency_alpha}.")
+  if not 0.0 <= float(cfg.failure_prob) <= 1.0:
+    raise TaskError(f"{section}.failure_prob must be in [0, 1], got {cfg.failure_prob}.")
+  values = (read_latency_file(cfg.latency_file, field=f"{section}.latency_file")
+            if kind == "empirical" else ())
+  return Latency(kind=kind, mean_s=mean_s, sigma=float(cfg.latency_sigma),
+                 alpha=float(cfg.latency_alpha), values=values)
 
 
 def call_rng(*, seed: int, call_index: int, attempt: int) -> np.random.Generator:
@@ -118,7 +120,7 @@ def call_rng(*, seed: int, call_index: int, attempt: int) -> np.random.Generator
 
 def draw_call(*, latency: Latency, failure_prob: float, seed: int, call_index: int,
               attempt: int) -> tuple[float, bool]:
-  """(delay seconds, fails) of one verifier attempt, deterministic in its arguments."""
+  """(delay seconds, fails) of one verifier or tool attempt, deterministic in its arguments."""
   rng = call_rng(seed=seed, call_index=call_index, attempt=attempt)
   delay = latency.sample(rng) if latency.kind != "none" else 0.0
   return delay, bool(failure_prob > 0 and rng.random() < failure_prob)

@@ -8,8 +8,14 @@ smallest length bucket that fits. Every per-token array is indexed by the predic
 position (see rl_jax.trainer.grpo): a completion token at position p + j (prompt length
 p) is predicted at position p + j - 1, so
 
-  mask_bt[i, t] = 1  iff  tokens_bt[i, t + 1] is a completion token,
+  mask_bt[i, t] = 1  iff  tokens_bt[i, t + 1] is a completion token the model sampled,
   behavior_logprobs_bt[i, t] = mu(tokens_bt[i, t + 1]),  versions_bt likewise (-1 off-mask).
+
+Multi-turn rollouts (tool use) interleave model turns with environment observations:
+observation tokens are in tokens_bt (context for every later token) but mask_bt is 0
+where they are predicted (Rollout.model_mask False), so they enter no loss, KL, entropy
+or statistic; their behaviour log-prob is 0 and version -1 there. Supervised warm-up
+batches take the same per-token mask (observations inside a demonstration).
 
 Rows are padded to a multiple of `Trainer.batch_multiple` with all-zero-mask rows so the
 batch splits evenly over data-parallel devices, minibatches and micro-batches
@@ -88,8 +94,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _pack(prompts, completions, behavior, versions, *, pad_id, length_buckets,
-          batch_multiple):
-  """Right-padded token rows and the position-aligned per-token arrays."""
+          batch_multiple, masks=None):
+  """Right-padded token rows and the position-aligned per-token arrays; masks[i] (bool
+  [t_i], None: all True) marks the completion tokens that count (the model's)."""
   lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
   t = pick_bucket(max(lengths, default=1), length_buckets)
   b = _round_up(max(len(prompts), 1), batch_multiple)
@@ -104,9 +111,10 @@ def _pack(prompts, completions, behavior, versions, *, pad_id, length_buckets,
     tokens_bt[i, :len(p)] = p
     tokens_bt[i, len(p):len(p) + len(c)] = c
     pred = slice(len(p) - 1, len(p) + len(c) - 1)
-    mask_bt[i, pred] = True
-    behavior_bt[i, pred] = behavior[i]
-    versions_bt[i, pred] = versions[i]
+    model = True if masks is None or masks[i] is None else np.asarray(masks[i], bool)
+    mask_bt[i, pred] = model
+    behavior_bt[i, pred] = np.where(model, behavior[i], 0.0)
+    versions_bt[i, pred] = np.where(model, versions[i], -1)
   return tokens_bt, mask_bt, behavior_bt, versions_bt
 
 
@@ -119,10 +127,11 @@ def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Se
   """
   rollouts = [r for g in groups for r in g.rollouts]
   for r in rollouts:
-    if len(r.behavior_logprobs) != len(r.completion_tokens):
-      raise ValueError(
-          f"rollout {r.group_id}/{r.sample_index}: {len(r.behavior_logprobs)} behaviour "
-          f"log-probs for {len(r.completion_tokens)} completion tokens")
+    for name in ("behavior_logprobs", "token_versions", "model_mask"):
+      value = getattr(r, name)
+      if value is not None and len(value) != len(r.completion_tokens):
+        raise ValueError(f"rollout {r.group_id}/{r.sample_index}: {len(value)} {name} for "
+                         f"{len(r.completion_tokens)} completion tokens")
   advantages, zero_var = [], 0
   for g in groups:
     adv_ng, z = grpo.group_advantages(
@@ -133,7 +142,8 @@ def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Se
   tokens_bt, mask_bt, behavior_bt, versions_bt = _pack(
       [r.prompt_tokens for r in rollouts], [r.completion_tokens for r in rollouts],
       [r.behavior_logprobs for r in rollouts], [r.token_versions for r in rollouts],
-      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple)
+      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple,
+      masks=[r.model_mask for r in rollouts])
   b = tokens_bt.shape[0]
   advantages_b = np.zeros((b,), np.float32)
   advantages_b[:len(rollouts)] = advantages
@@ -146,13 +156,17 @@ def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Se
 
 def make_sft_batch(prompts_tokens: Sequence[np.ndarray],
                    completions_tokens: Sequence[np.ndarray], *, pad_id: int,
-                   length_buckets: Sequence[int], batch_multiple: int = 1) -> TrainBatch:
+                   length_buckets: Sequence[int], batch_multiple: int = 1,
+                   completion_masks: Sequence[np.ndarray | None] | None = None) -> TrainBatch:
   """A supervised batch: the loss mask covers the completion tokens (include EOS in
-  them if the model should learn to stop). Behaviour log-probs and advantages are 0."""
+  them if the model should learn to stop), except where completion_masks[i] (bool per
+  completion token) is False: observations in a demonstration are context only.
+  Behaviour log-probs and advantages are 0."""
   zeros = [np.zeros(len(c), np.float32) for c in completions_tokens]
   tokens_bt, mask_bt, behavior_bt, versions_bt = _pack(
       prompts_tokens, completions_tokens, zeros, [z.astype(np.int32) for z in zeros],
-      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple)
+      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple,
+      masks=completion_masks)
   b = tokens_bt.shape[0]
   return TrainBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, behavior_logprobs_bt=behavior_bt,
                     advantages_b=np.zeros((b,), np.float32), versions_bt=versions_bt,
@@ -511,10 +525,12 @@ class Trainer:
                             std_normalize=bool(self.cfg.std_normalize),
                             batch_multiple=self.batch_multiple)
 
-  def make_sft_batch(self, prompts_tokens, completions_tokens) -> TrainBatch:
+  def make_sft_batch(self, prompts_tokens, completions_tokens,
+                     completion_masks=None) -> TrainBatch:
     return make_sft_batch(prompts_tokens, completions_tokens, pad_id=self.model_cfg.pad_id,
                           length_buckets=self.cfg.length_buckets,
-                          batch_multiple=self.batch_multiple)
+                          batch_multiple=self.batch_multiple,
+                          completion_masks=completion_masks)
 
   def _device_batch(self, batch: TrainBatch, keys) -> dict[str, jax.Array]:
     batch = pad_rows(batch, multiple=self.batch_multiple, pad_id=self.model_cfg.pad_id)
