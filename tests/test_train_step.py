@@ -244,18 +244,24 @@ def _reference_loss(model_cfg, cfg, params, ref_params, batch, prox_bt):
 @pytest.mark.parametrize("chunk", [5, 0])
 def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
   """Trainer.loss_and_grad with the lm head in 5-position chunks (and in one chunk)
-  against the loss written on full logits, KL reference included."""
+  against the loss written on full logits, KL reference included. Half the rollouts
+  are multi-turn (tool use): the reference's mask is built token by token from their
+  model masks, so observation tokens are context only (no loss, KL or entropy term)."""
   cfg = _trainer_cfg(kl_beta=0.1, loss_agg="seq_mean_token_mean", logprob_chunk_len=chunk,
                      micro_batch_size=4)
   mcfg = _model_cfg()
   trainer = ts.Trainer(mcfg, cfg, _mesh((1, 1, 1)), total_steps=1)
   params = trainer.init_state(params=params0).params
-  batch = trainer.make_train_batch(_groups(2, max_completion=20))
+  groups = _groups(2, max_completion=20) + _multi_turn_groups(5)
+  batch = trainer.make_train_batch(groups)
   assert batch.seq_len == 32
+  mask_bt = _mask_from_rollouts([r for g in groups for r in g.rollouts], batch.mask_bt.shape)
+  np.testing.assert_array_equal(batch.mask_bt, mask_bt)
   prox = jax.tree.map(lambda p: p * 1.05, params)
   prox_bt = trainer.logprobs(prox, batch)
   loss, grads = trainer.loss_and_grad(params, batch, prox_bt)
-  ref = lambda p: _reference_loss(mcfg, cfg, p, params, batch, np.asarray(prox_bt))
+  ref = lambda p: _reference_loss(mcfg, cfg, p, params, dataclasses.replace(batch, mask_bt=mask_bt),
+                                  np.asarray(prox_bt))
   want_loss, want_grads = jax.jit(jax.value_and_grad(ref))(params)
   np.testing.assert_allclose(loss, want_loss, atol=1e-6, rtol=1e-6)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -343,62 +349,56 @@ def _multi_turn_groups(seed):
   for g in range(2):
     rollouts = []
     for k in range(4):
-      parts = [rng.integers(3, 100, rng.integers(1, 5)) for _ in range(3)]
+      parts = [rng.integers(3, 100, rng.integers(1, 8)) for _ in range(3)]
       c = np.concatenate(parts).astype(np.int32)
       model_mask = np.concatenate([np.full(len(parts[0]), True), np.full(len(parts[1]), False),
                                    np.full(len(parts[2]), True)])
       rollouts.append(Rollout(
-          group_id=g, sample_index=k, prompt_tokens=PROMPT, completion_tokens=c,
+          group_id=10 + g, sample_index=k, prompt_tokens=PROMPT, completion_tokens=c,
           behavior_logprobs=np.where(model_mask, -np.log(128) + rng.normal(0, 0.5, len(c)),
                                      0.0).astype(np.float32),
           token_versions=np.where(model_mask, 3, -1).astype(np.int32),
           reward=float(rng.normal()), model_mask=model_mask, num_turns=2))
-    groups.append(Group(group_id=g, example=None, prompt_tokens=PROMPT, rollouts=rollouts))
+    groups.append(Group(group_id=10 + g, example=None, prompt_tokens=PROMPT, rollouts=rollouts))
   return groups
 
 
-def test_observation_tokens_are_context_only(params0):
-  """Observation tokens are inputs but not loss terms: the batch masks them, values
-  stored at their positions change nothing, and loss and gradient equal the loss written
-  on full logits with a mask built token by token from the rollouts (KL included)."""
-  cfg = _trainer_cfg(kl_beta=0.1, loss_agg="seq_mean_token_mean")
-  mcfg = _model_cfg()
-  trainer = ts.Trainer(mcfg, cfg, _mesh((1, 1, 1)), total_steps=1)
-  params = trainer.init_state(params=params0).params
+def _mask_from_rollouts(rows, shape):
+  """mask_bt by hand: position 3 + j (prompt of 4 tokens) predicts completion token j,
+  which counts when the model sampled it."""
+  mask_bt = np.zeros(shape, bool)
+  for i, r in enumerate(rows):
+    for j, model_token in enumerate(r.model_token_mask):
+      mask_bt[i, 3 + j] = model_token
+  return mask_bt
+
+
+def test_observation_tokens_are_context_only():
+  """Observation tokens are inputs but not loss terms: the batch masks them, and values
+  stored at their positions (behaviour log-probs, versions) change no input of the step,
+  so neither loss nor gradient (test_chunked_loss_and_gradient_equal_full_logits checks
+  the masked loss itself against full logits). SFT batches take the same mask."""
   groups = _multi_turn_groups(5)
-  batch = trainer.make_train_batch(groups)
   rows = [r for g in groups for r in g.rollouts]
-  mask_bt = np.zeros_like(batch.mask_bt)
+  make = lambda: ts.make_train_batch(groups, pad_id=0, length_buckets=(16, 32),
+                                     std_normalize=True, batch_multiple=1)
+  batch = make()
   for i, r in enumerate(rows):
     np.testing.assert_array_equal(batch.tokens_bt[i, 4:4 + r.num_tokens], r.completion_tokens)
-    for j, model_token in enumerate(r.model_mask):
-      mask_bt[i, 3 + j] = model_token  # position 3 + j predicts completion token j
+  mask_bt = _mask_from_rollouts(rows, batch.mask_bt.shape)
   np.testing.assert_array_equal(batch.mask_bt, mask_bt)
   assert batch.num_tokens == sum(int(r.model_mask.sum()) for r in rows)
   assert np.all(batch.behavior_logprobs_bt[~mask_bt] == 0) and np.all(batch.versions_bt[~mask_bt] == -1)
-  # Garbage behaviour log-probs and versions at observation tokens change nothing.
   for r in rows:
     r.behavior_logprobs = np.where(r.model_mask, r.behavior_logprobs, -7.0).astype(np.float32)
     r.token_versions = np.where(r.model_mask, r.token_versions, 99).astype(np.int32)
-  again = trainer.make_train_batch(groups)
+  again = make()
   for k in ts.GRPO_KEYS:
     np.testing.assert_array_equal(getattr(again, k), getattr(batch, k))
-  prox_bt = trainer.logprobs(jax.tree.map(lambda p: p * 1.05, params), batch)
-  loss, grads = trainer.loss_and_grad(params, batch, prox_bt)
-  ref = lambda p: _reference_loss(mcfg, cfg, p, params, dataclasses.replace(batch, mask_bt=mask_bt),
-                                  np.asarray(prox_bt))
-  want_loss, want_grads = jax.jit(jax.value_and_grad(ref))(params)
-  np.testing.assert_allclose(loss, want_loss, atol=1e-6, rtol=1e-6)
-  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-  # The observation tokens are context: changing one changes the loss of later tokens.
-  other = trainer.make_train_batch(groups)
-  i = 0
-  j = int(np.flatnonzero(~rows[i].model_mask)[0])
-  other.tokens_bt[i, 4 + j] = (other.tokens_bt[i, 4 + j] + 1) % 100 + 3
-  assert float(trainer.loss_and_grad(params, other, prox_bt)[0]) != float(loss)
-  # SFT: the same per-token mask for observations inside demonstrations.
-  sft = trainer.make_sft_batch([r.prompt_tokens for r in rows],
-                               [r.completion_tokens for r in rows],
-                               completion_masks=[r.model_mask for r in rows])
+  sft = ts.make_sft_batch([r.prompt_tokens for r in rows], [r.completion_tokens for r in rows],
+                          pad_id=0, length_buckets=(16, 32),
+                          completion_masks=[r.model_mask for r in rows])
   np.testing.assert_array_equal(sft.mask_bt, mask_bt)
+  with pytest.raises(ValueError, match="model_mask"):
+    rows[0].model_mask = rows[0].model_mask[:-1]
+    make()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from rl_jax.envs.base import End, Environment, Episode, ToolCall, make_turn_end
 
-__all__ = ["End", "Environment", "Episode", "ToolCall", "episode_budget", "has_env", "make_env",
+__all__ = ["End", "Environment", "Episode", "ToolCall", "episode_budget", "make_env",
            "make_turn_end"]
 
 
@@ -23,10 +23,6 @@ def _calculator(env_cfg):
 
 
 _ENVS = {"calculator": _calculator}
-
-
-def has_env(task_name: str) -> bool:
-  return task_name in _ENVS
 
 
 def make_env(task, env_cfg) -> Environment | None:
