@@ -47,6 +47,7 @@ import numpy as np
 
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import updates
 from rl_jax.types import Rollout
 
 _REASONS = {engine_lib.FINISH_STOP: "stop", engine_lib.FINISH_LENGTH: "length"}
@@ -106,6 +107,8 @@ class Generator:
     self._pending_params: tuple[Any, int] | None = None
     self._lock = threading.Lock()
     self._state = engine.init_decode_state()
+    # Slot / page-table updates of this pass, applied by the next generate call.
+    self._pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
     self.allocator = pt.PageAllocator(num_pages=engine.num_pages, page_size=engine.page_size)
     self._groups: list[_Group] = []  # unfinished groups, oldest first
     self._group_ids: set[int] = set()
@@ -127,7 +130,7 @@ class Generator:
   @property
   def num_active(self) -> int:
     """Sequences occupying a decode slot."""
-    return sum(s is not None for s in self._slots)
+    return len(self._slots) - self._slots.count(None)
 
   @property
   def num_pending(self) -> int:
@@ -227,9 +230,8 @@ class Generator:
     now = self._clock()
     out, self._held = self._held, []
     running = [s for s in self._slots if s is not None]
-    if running:
-      self._state = self.engine.free_slots(self._state, [s.slot for s in running])
     for seq in running:
+      self._pending.free(seq.slot)
       out.append(self._end(seq, "aborted", now))
     for g in list(self._groups):
       while g.waiting:
@@ -274,11 +276,17 @@ class Generator:
       # Attention reads only the page-table columns the longest busy sequence reaches.
       width = self.engine.page_bucket(max(self._call_positions(s) for s in self._slots
                                           if s is not None))
-      self._state, out = self.engine.generate(self._params, self._state,
-                                              num_slots=num_slots, num_pages=width,
-                                              live=self._live_pages())
+      # One dispatch: this pass's inserts, page rows and moves, then the decode steps.
+      self._state, out = self.engine.apply_and_generate(
+          self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
+          live=self._live_pages())
       self.generate_calls += 1
-      finished = self._consume(jax.device_get(out), version)
+      finished = self._consume(updates.unpack_output(jax.device_get(out),
+                                                     self.engine.steps_per_call), version)
+    else:
+      # Every group prefilled in this pass was preempted (its pages are free again):
+      # drop its lane prompts, so they cannot land in pages reused by a later pass.
+      self._pending.take_lane()
     self.busy_s += time.perf_counter() - t0
     return finished
 
@@ -300,25 +308,32 @@ class Generator:
     # pool runs dry, _grow_pages preempts the youngest group.
     reserve = sum(self._pages_short(s) for s in self._slots if s is not None)
     inserts, exhausted, prefills = [], [], []
-    admitting = True
-    for g in list(self._groups):
-      if not free:
-        break
+    lane_left = self._pending.lane_tokens - self._pending.lane_used
+    groups, i = list(self._groups), 0
+    while free and i < len(groups):
+      g = groups[i]
+      i += 1
       if not g.waiting:
         continue
       cached = g.prompt.shape[0] - 1
       first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens),
                                 eng.page_size) - g.num_full
       if g.prefix_pages is None:
-        if not admitting:
-          continue
         # While others run, a new prompt also leaves 1/16 of the pool free for their
         # growth, which keeps preemptions (recomputed work) rare near a full pool.
         watermark = alloc.capacity // 16 if self.num_active else 0
-        if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
-          admitting = False  # first come, first served for new prompts
+        # A prompt that misses the prefill lane of this pass's generate call, which
+        # already holds others, waits for the next pass (one dispatch per pass); only
+        # a prompt longer than the whole lane is prefilled by a call of its own.
+        if (lane_left < cached <= self._pending.lane_tokens or
+            alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark):
+          # First come, first served for new prompts: from here on only groups that
+          # hold their prompt pages may start samples (no per-group scan of the rest).
+          groups = [h for h in groups[i:] if h.prefix_pages is not None]
+          i = 0
           continue
         self._prefill(g, prefills)
+        lane_left -= cached if cached <= lane_left else 0
       while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
@@ -336,13 +351,17 @@ class Generator:
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
       if not g.waiting:
         exhausted.append(g)
-    if prefills:  # before the inserts copy their template pages
+    # Prompts go to the prefill lane of this pass's generate call while they fit; the
+    # rest are prefilled now. Both happen before the inserts copy their template pages.
+    prefills = [g for g in prefills if not self._pending.prefill(g.prompt, g.prefix_pages)]
+    if prefills:
       self._state = eng.prefill_into_pages(self._params, self._state,
                                            [g.prompt for g in prefills],
                                            [g.prefix_pages for g in prefills])
-    if inserts:
-      self._state = eng.insert_many(self._state, inserts)
-    # Only after the inserts above have read the template pages.
+    # Applied by this pass's generate call, after the prefill above and before its decode
+    # steps write any page, so the template pages released below are read in time.
+    for entry in inserts:
+      self._pending.insert(entry)
     for g in exhausted:
       self._release_prefix(g)
 
@@ -378,7 +397,7 @@ class Generator:
       g.prefix_pages = None
 
   def _grow_pages(self) -> None:
-    eng, alloc = self.engine, self.allocator
+    alloc = self.allocator
     grown = []
     running = sorted((s for s in self._slots if s is not None), key=lambda s: s.group.order)
     for seq in running:
@@ -395,10 +414,9 @@ class Generator:
       if new is not None and self._slots[seq.slot] is seq:
         seq.pages.extend(int(p) for p in new)
         grown.append(seq)
-    grown = [s for s in grown if self._slots[s.slot] is s]
-    if grown:
-      self._state = eng.set_page_rows(self._state, [s.slot for s in grown],
-                                      [s.pages for s in grown])
+    for seq in grown:
+      if self._slots[seq.slot] is seq:
+        self._pending.set_rows(seq.slot, seq.pages)
 
   def _compact(self) -> int:
     """Move busy sequences into the lowest slots so the smallest slot bucket that can
@@ -408,8 +426,8 @@ class Generator:
     high = [i for i in busy if i >= want]
     if high:
       low = [i for i in range(want) if self._slots[i] is None][:len(high)]
-      self._state = self.engine.move_slots(self._state, high, low)
       for src, dst in zip(high, low):
+        self._pending.move(src, dst)
         seq = self._slots[src]
         seq.slot, self._slots[dst], self._slots[src] = dst, seq, None
     return want
@@ -417,9 +435,8 @@ class Generator:
   def _preempt(self, g: _Group) -> None:
     """Drop the group's running samples (they restart from the prompt) and its pages."""
     seqs = [s for s in self._slots if s is not None and s.group is g]
-    if seqs:
-      self._state = self.engine.free_slots(self._state, [s.slot for s in seqs])
     for seq in seqs:
+      self._pending.free(seq.slot)
       self._slots[seq.slot] = None
       self.allocator.release(seq.pages)
       g.running -= 1
