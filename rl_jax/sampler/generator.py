@@ -42,7 +42,6 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from rl_jax.sampler import engine as engine_lib
@@ -281,7 +280,7 @@ class Generator:
           self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
           live=self._live_pages())
       self.generate_calls += 1
-      finished = self._consume(updates.unpack_output(jax.device_get(out),
+      finished = self._consume(updates.unpack_output(np.asarray(out),
                                                      self.engine.steps_per_call), version)
     else:
       # Every group prefilled in this pass was preempted (its pages are free again):
@@ -454,18 +453,23 @@ class Generator:
       # Host and device disagree about which slots decode: fail now, not spin forever.
       raise RuntimeError(f"decode slots {busy} are busy on the host but the device "
                          f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
-    # A slot decodes a prefix of the call's steps: valid until it finishes.
+    # A slot decodes a prefix of the call's steps: valid until it finishes. Each array
+    # goes to Python lists once per call, not once per slot.
     counts_b = valid_sb.sum(axis=0)
+    finish_b = out.finish_sb[np.maximum(counts_b - 1, 0), np.arange(counts_b.shape[0])]
+    tokens_bs, logprobs_bs = out.tokens_sb.T.tolist(), out.logprobs_sb.T.tolist()
+    counts_b, finish_b = counts_b.tolist(), finish_b.tolist()
+    steps = valid_sb.shape[0]
     for b in busy:
-      seq, n = self._slots[b], int(counts_b[b])
+      seq, n = self._slots[b], counts_b[b]
       if not seq.tokens:
         seq.first_token = now
-      seq.tokens.extend(out.tokens_sb[:n, b].tolist())
-      seq.logprobs.extend(out.logprobs_sb[:n, b].tolist())
+      seq.tokens.extend(tokens_bs[b] if n == steps else tokens_bs[b][:n])
+      seq.logprobs.extend(logprobs_bs[b] if n == steps else logprobs_bs[b][:n])
       seq.versions.extend([version] * n)
       seq.length += n
       self.tokens_generated += n
-      reason = _REASONS.get(int(out.finish_sb[n - 1, b]))
+      reason = _REASONS.get(finish_b[b])
       if reason is not None:
         finished.append(self._end(seq, reason, now))
     return finished
