@@ -5,14 +5,23 @@ Shape letters: s decode steps per generate call, b decode slots.
 One `step()` is one scheduling iteration:
   1. swap in weights published by `update_params` (see below);
   2. fill free slots: a group (one prompt, G samples) is prefilled once when its turn
-     comes (all groups admitted in one iteration share one prefill call) and its
-     samples are inserted as slots free up; the samples share the full
+     comes and its samples are inserted as slots free up; the samples share the full
      prompt pages and each gets a private copy of the partial last prompt page;
   3. give every running sequence the pages its next `steps_per_call` tokens need;
-  4. run one generate call and hand finished sequences back as rl_jax.types.Rollout
-     objects, freeing their slot and pages at once. When few slots are busy, their
-     sequences are moved into the lowest slots (registers only: the KV stays in its
-     pages) and the call covers just the smallest power-of-two prefix of slots.
+  4. dispatch one generate call, then read the tokens of the previous call and hand
+     finished sequences back as rl_jax.types.Rollout objects, freeing their slot and
+     pages. When few slots are busy, their sequences are moved into the lowest slots
+     (registers only: the KV stays in its pages) and the call covers just the smallest
+     power-of-two prefix of slots.
+
+One dispatch per step: the slot and page-table updates of steps 2-4 are staged in an
+updates.Pending and applied inside the generate program, and the prompts admitted in
+the step ride in its prefill lane (prefill_lane.py) while they fit; a prompt that does
+not fit waits for the next step, unless it is longer than the whole lane (then it is
+prefilled by a call of its own). The device runs a step's call while the host prepares
+the next step, so the host learns that a sequence finished one call late: its slot and
+pages come back one call later, and a call may cover a slot whose sequence already
+ended (the device knows and leaves it idle).
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
@@ -30,7 +39,8 @@ Weight updates: `update_params(params, version)` is the one method safe to call 
 another thread; it stores the weights in a pending slot that the sampler thread swaps
 in at the top of its next `step()` (the latest call wins). With inflight weight updates
 on, running sequences continue on the new weights with their KV kept, and tokens from
-then on carry the new version. With them off, the generator stops starting sequences,
+then on carry the new version (the call already on the device keeps the old weights,
+and its tokens their version). With them off, the generator stops starting sequences,
 finishes the running ones on the old weights, then swaps and re-prefills prompts that
 were prefilled under the old weights. Every other method belongs to the sampler thread.
 """
@@ -115,6 +125,7 @@ class Generator:
     self._order = 0
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
+    self._inflight = None  # the generate call on the device (see _launch)
     self.tokens_generated = 0
     self.rollouts_finished = 0
     self.preemptions = 0
@@ -191,7 +202,8 @@ class Generator:
     self._group_ids.add(group_id)
 
   def step(self) -> list[Rollout]:
-    """One scheduling iteration; returns the rollouts that finished in it."""
+    """One scheduling iteration; returns the rollouts whose last token it read (they
+    finished in the previous iteration's call)."""
     held, self._held = self._held, []
     return held + self._step()
 
@@ -224,10 +236,13 @@ class Generator:
     return out
 
   def abort_all(self) -> list[Rollout]:
-    """End every group now: running samples keep their tokens so far, samples that never
-    started come back empty; all finish_reason "aborted". Frees every slot and page."""
-    now = self._clock()
+    """End every group now: running samples keep their tokens so far (including those of
+    the call still on the device), samples that never started come back empty; all
+    finish_reason "aborted" but the ones that finished in that call and rollouts held
+    back by generate(). Frees every slot and page."""
     out, self._held = self._held, []
+    out += self._collect()  # rollouts that finish in the call in flight end normally
+    now = self._clock()
     running = [s for s in self._slots if s is not None]
     for seq in running:
       self._pending.free(seq.slot)
@@ -264,30 +279,43 @@ class Generator:
     self._maybe_swap_params()
     if not self._draining():
       self._fill_slots()
-    if not self.num_active:
-      self.busy_s += time.perf_counter() - t0
-      return []
-    self._grow_pages()
-    finished = []
     if self.num_active:
-      version = self._version
-      num_slots = self._compact()
-      # Attention reads only the page-table columns the longest busy sequence reaches.
-      width = self.engine.page_bucket(max(self._call_positions(s) for s in self._slots
-                                          if s is not None))
-      # One dispatch: this pass's inserts, page rows and moves, then the decode steps.
-      self._state, out = self.engine.apply_and_generate(
-          self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
-          live=self._live_pages())
-      self.generate_calls += 1
-      finished = self._consume(updates.unpack_output(np.asarray(out),
-                                                     self.engine.steps_per_call), version)
+      self._grow_pages()
+    launched = None
+    if self.num_active:
+      launched = self._launch()
     else:
       # Every group prefilled in this pass was preempted (its pages are free again):
       # drop its lane prompts, so they cannot land in pages reused by a later pass.
       self._pending.take_lane()
+    # The previous call ran on the device while this pass was prepared on the host.
+    finished = self._collect()
+    self._inflight = launched
     self.busy_s += time.perf_counter() - t0
     return finished
+
+  def _launch(self):
+    """Dispatch this pass's generate call (no wait): (packed outputs, weight version,
+    [(slot, sequence)] of the busy slots it decodes, the set of those sequences)."""
+    num_slots = self._compact()
+    busy = [(b, s) for b, s in enumerate(self._slots) if s is not None]
+    # Attention reads only the page-table columns the longest busy sequence reaches.
+    width = self.engine.page_bucket(max(self._call_positions(s) for _, s in busy))
+    # One dispatch: this pass's prompts, inserts, page rows and moves, then the decode.
+    self._state, out = self.engine.apply_and_generate(
+        self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
+        live=self._live_pages())
+    self.generate_calls += 1
+    return out, self._version, busy, {s for _, s in busy}
+
+  def _collect(self) -> list[Rollout]:
+    """Wait for the call in flight (if any) and take in its tokens."""
+    if self._inflight is None:
+      return []
+    out, version, busy, _ = self._inflight
+    self._inflight = None
+    return self._consume(updates.unpack_output(np.asarray(out), self.engine.steps_per_call),
+                         version, busy)
 
   def _fill_slots(self) -> None:
     """Start waiting samples in free slots, oldest group first."""
@@ -365,8 +393,10 @@ class Generator:
       self._release_prefix(g)
 
   def _call_positions(self, seq: _Seq) -> int:
-    """Positions `seq`'s cache may hold after the next generate call."""
-    return min(seq.length + self.engine.steps_per_call, seq.cache_limit)
+    """Positions `seq`'s cache may hold after the next generate call (and the call in
+    flight, whose tokens the host has not seen yet)."""
+    calls = 1 + (self._inflight is not None and seq in self._inflight[3])
+    return min(seq.length + calls * self.engine.steps_per_call, seq.cache_limit)
 
   def _live_pages(self):
     """(slots, columns) of every page a busy sequence may read in the next call, for
@@ -443,16 +473,19 @@ class Generator:
     self._release_prefix(g)
     self.preemptions += 1
 
-  def _consume(self, out: engine_lib.StepOutput, version: int) -> list[Rollout]:
-    """Append each busy slot's tokens of this call (one slice per slot, not per token)."""
+  def _consume(self, out: engine_lib.StepOutput, version: int, busy) -> list[Rollout]:
+    """Append the tokens of one call to its busy sequences, busy = [(slot, sequence)] at
+    dispatch (one slice per slot, not per token). Sequences that ended in the call
+    before (the host learnt it after this one was dispatched) or were preempted since
+    are skipped: the device did not decode them, or their tokens are void."""
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
-    busy = [i for i, seq in enumerate(self._slots) if seq is not None]
-    if not valid_sb[0, busy].all():
+    busy = [(b, seq) for b, seq in busy if self._slots[seq.slot] is seq]
+    if not valid_sb[0, [b for b, _ in busy]].all():
       # Host and device disagree about which slots decode: fail now, not spin forever.
-      raise RuntimeError(f"decode slots {busy} are busy on the host but the device "
-                         f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
+      raise RuntimeError(f"decode slots {[b for b, _ in busy]} are busy on the host but the "
+                         f"device decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
     # A slot decodes a prefix of the call's steps: valid until it finishes. Each array
     # goes to Python lists once per call, not once per slot.
     counts_b = valid_sb.sum(axis=0)
@@ -460,8 +493,8 @@ class Generator:
     tokens_bs, logprobs_bs = out.tokens_sb.T.tolist(), out.logprobs_sb.T.tolist()
     counts_b, finish_b = counts_b.tolist(), finish_b.tolist()
     steps = valid_sb.shape[0]
-    for b in busy:
-      seq, n = self._slots[b], counts_b[b]
+    for b, seq in busy:
+      n = counts_b[b]
       if not seq.tokens:
         seq.first_token = now
       seq.tokens.extend(tokens_bs[b] if n == steps else tokens_bs[b][:n])
