@@ -30,7 +30,7 @@ Page ownership is host-side (page_table.py); the engine only follows page tables
 c cached prompt tokens needs pages for c + n positions (every decode input is cached).
 
 Programs: generate compiles per (slot bucket, page-width bucket) pair (Engine.__init__),
-and the fused apply_and_generate likewise.
+and the fused apply_and_generate likewise, with and without its prefill lane.
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -175,10 +175,12 @@ class Engine:
   a partial page), set_page_rows (grow page tables), free_slots, move_slots (one
   program for all four: updates.apply), generate(num_slots=k, num_pages=w, live=...)
   (decode only the first k slots when few are busy, reading only the pages they use),
-  apply_and_generate (updates staged in an updates.Pending, then generate: the
+  apply_and_generate (prompts in a prefill lane of `prefill_lane` tokens, default twice
+  max_prefill_length, then updates staged in an updates.Pending, then generate: the
   Generator's one dispatch per pass), pad_tokens.
   Every device method is jitted once per input shape (prefill once per length bucket,
-  generate once per (slot bucket, page-width bucket) pair it is called with).
+  generate once per (slot bucket, page-width bucket) pair it is called with, and
+  apply_and_generate once per pair with and once without the lane).
   """
 
   def __init__(self, model_cfg: model.ModelConfig, *, mesh: Mesh,
@@ -465,10 +467,11 @@ class Engine:
 
   def apply_and_generate(self, params: Any, decode_state: DecodeState,
                          pending: updates.Pending, **generate_kw) -> tuple[DecodeState, Any]:
-    """`pending` applied, then generate (same keywords), in one dispatch when the updates
-    fit fused_layout (else they are applied first by a separate call). Returns the new
-    state and the outputs packed in one array: updates.unpack_output(np.asarray(x),
-    steps_per_call) gives the StepOutput. Clears `pending`."""
+    """The prompts staged in `pending` prefilled (its lane), its updates applied, then
+    generate (same keywords): one dispatch when the updates fit fused_layout's rows,
+    else the lane and the updates go first by calls of their own. Returns the new state
+    and the outputs packed in one array, not waited for: updates.unpack_output(
+    np.asarray(x), steps_per_call) gives the StepOutput. Clears `pending`."""
     layout = self.fused_layout._replace(lane=self.prefill_lane if pending.lane else 0)
     if not pending.fits(layout):  # more inserts or rows than one fused call carries
       lane = pending.take_lane()
