@@ -78,11 +78,11 @@ def start(engine, params, state, alloc, slot, prompt, **kw):
 
 def programs(engine):
   """Compiled programs per jitted engine operation. jax.jit of a module-level function
-  (e.g. engine._insert) shares its compilation cache across Engine instances, so a
+  (e.g. engine._prefill) shares its compilation cache across Engine instances, so a
   test compares these before and after its own calls, never as absolute counts."""
   full = engine.generate_program(engine.max_concurrent_decodes, engine.pages_per_seq)
   return {"generate": full._cache_size(),
-          "insert": engine._insert._cache_size(), "prefill": engine._prefill._cache_size()}
+          "insert": engine._apply._cache_size(), "prefill": engine._prefill._cache_size()}
 
 
 def decode(engine, params, state, steps):

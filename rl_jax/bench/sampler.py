@@ -31,6 +31,7 @@ from rl_jax import sharding as shd
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import generator as generator_lib
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import updates
 
 
 def long_tail_requests(*, num: int, median: int, tail_frac: float, tail_mult: int,
@@ -176,7 +177,12 @@ def run_paged(requests, *, engine, params):
   state = engine.init_decode_state()
   for k in engine.slot_buckets:  # every generate and batched-prefill variant the run may use
     for w in engine.page_buckets:
-      state, out = engine.generate(params, state, num_slots=k, num_pages=w)
+      for lane in (False, True):  # with a prompt in the prefill lane (written to the null page)
+        pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
+        if lane:
+          pending.prefill(np.ones((2,), np.int32), [pt.NULL_PAGE])
+        state, out = engine.apply_and_generate(params, state, pending, num_slots=k,
+                                               num_pages=w)
     for t in engine.prefill_buckets:  # prompts of t tokens, written to the null page
       state = engine.prefill_into_pages(params, state, [np.ones((t,), np.int32)] * k,
                                         [[]] * k)

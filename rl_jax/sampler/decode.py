@@ -190,6 +190,37 @@ def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, pages, kv_len
   return attend
 
 
+def run_layers(model_cfg, params, x_bte, cos_btd, sin_btd, k_pages, v_pages, attend_at, *,
+               layers: str):
+  """(x_bte, k_pages, v_pages) after every layer; attend_at(k_pages, v_pages, layer)
+  returns the layer's attend function, which writes K/V into the pools (one layer's
+  [k, n, p, d] pool with layer None, else the stacked pools at index `layer`)."""
+  if layers == "unrolled":
+    k_list, v_list = list(k_pages), list(v_pages)
+    for i in range(model_cfg.num_layers):
+      lp = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+      x_bte, (k_list[i], v_list[i]) = tfm.layer_forward(
+          model_cfg, lp, x_bte, cos_btd, sin_btd, attend_at(k_list[i], v_list[i], None))
+    return x_bte, tuple(k_list), tuple(v_list)
+
+  def body(carry, lp):
+    x, k_all, v_all, layer = carry
+    x, (k_all, v_all) = tfm.layer_forward(model_cfg, lp, x, cos_btd, sin_btd,
+                                            attend_at(k_all, v_all, layer))
+    return (x, k_all, v_all, layer + 1), None
+  (x_bte, k_pages, v_pages, _), _ = lax.scan(
+      body, (x_bte, k_pages, v_pages, jnp.int32(0)), params["layers"])
+  return x_bte, k_pages, v_pages
+
+
+def embed_positions(model_cfg, params, tokens_bt, pos_bt):
+  """(x_bte, cos_btd, sin_btd) in the model dtype: token embeddings and RoPE tables."""
+  dtype = jnp.dtype(model_cfg.dtype)
+  x_bte = jnp.take(params["embed"], tokens_bt, axis=0, mode="clip").astype(dtype)
+  cos_btd, sin_btd = tfm.rope_tables(pos_bt, tfm.rope_inv_freq(model_cfg))
+  return x_bte, cos_btd.astype(dtype), sin_btd.astype(dtype)
+
+
 def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, pages,
                   write_page_b, layers: str, attention: str):
   """(logits_bv float32, k_pages, v_pages): one token per slot through every layer.
@@ -197,29 +228,14 @@ def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, pages
   tokens_b sit at positions pos_b; their K/V go to (write_page_b, pos_b % p). `pages`
   is what the attention reads: the [b, w] page table, or the live triple for "ragged".
   """
-  dtype = jnp.dtype(model_cfg.dtype)
   p = (k_pages[0] if layers == "unrolled" else k_pages).shape[-2]
-  x_b1e = jnp.take(params["embed"], tokens_b[:, None], axis=0, mode="clip").astype(dtype)
-  cos_b1d, sin_b1d = tfm.rope_tables(pos_b[:, None], tfm.rope_inv_freq(model_cfg))
-  cos_b1d, sin_b1d = cos_b1d.astype(dtype), sin_b1d.astype(dtype)
+  x_b1e, cos_b1d, sin_b1d = embed_positions(model_cfg, params, tokens_b[:, None],
+                                            pos_b[:, None])
   attend_at = functools.partial(
       _layer_attend, attention=_ATTENTION[attention], pages=pages,
       kv_len_b=pos_b + 1, write_page_b=write_page_b, write_slot_b=pos_b % p)
-  if layers == "unrolled":
-    k_list, v_list = list(k_pages), list(v_pages)
-    for i in range(model_cfg.num_layers):
-      lp = jax.tree.map(lambda x, i=i: x[i], params["layers"])
-      x_b1e, (k_list[i], v_list[i]) = tfm.layer_forward(
-          model_cfg, lp, x_b1e, cos_b1d, sin_b1d, attend_at(k_list[i], v_list[i], None))
-    k_pages, v_pages = tuple(k_list), tuple(v_list)
-  else:
-    def body(carry, lp):
-      x, k_all, v_all, layer = carry
-      x, (k_all, v_all) = tfm.layer_forward(model_cfg, lp, x, cos_b1d, sin_b1d,
-                                              attend_at(k_all, v_all, layer))
-      return (x, k_all, v_all, layer + 1), None
-    (x_b1e, k_pages, v_pages, _), _ = lax.scan(
-        body, (x_b1e, k_pages, v_pages, jnp.int32(0)), params["layers"])
+  x_b1e, k_pages, v_pages = run_layers(model_cfg, params, x_b1e, cos_b1d, sin_b1d,
+                                       k_pages, v_pages, attend_at, layers=layers)
   return tfm.lm_logits(model_cfg, params, x_b1e)[:, 0], k_pages, v_pages
 
 

@@ -29,7 +29,8 @@ Page ownership is host-side (page_table.py); the engine only follows page tables
 `NULL_PAGE` absorbs the writes of idle slots. A sequence that may sample n tokens after
 c cached prompt tokens needs pages for c + n positions (every decode input is cached).
 
-Programs: generate compiles per (slot bucket, page-width bucket) pair (Engine.__init__).
+Programs: generate compiles per (slot bucket, page-width bucket) pair (Engine.__init__),
+and the fused apply_and_generate likewise, with and without its prefill lane.
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.sampler import decode, extend
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import updates
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
                                    DecodeState, StepOutput, sample_tokens)  # (re-exported)
 
@@ -93,39 +95,10 @@ class Prefix(NamedTuple):
   true_length: jax.Array  # int32 scalar
 
 
-class InsertBatch(NamedTuple):
-  """Host-side description of sequences to start, padded to max_concurrent_decodes rows.
-
-  Padding rows have slot == max_concurrent_decodes (dropped on device) and copy the null
-  page onto itself.
-  """
-  slot_i: np.ndarray  # int32
-  page_table_im: np.ndarray  # int32
-  copy_src_i: np.ndarray  # int32 page to copy into copy_dst_i (copy-on-write)
-  copy_dst_i: np.ndarray  # int32
-  token_i: np.ndarray  # int32 last prompt token
-  length_i: np.ndarray  # int32 cached prompt tokens (prompt length - 1)
-  max_new_i: np.ndarray  # int32
-  stop_on_eos_i: np.ndarray  # bool
-  seed_i: np.ndarray  # int32
-  sample_index_i: np.ndarray  # int32
-  temperature_i: np.ndarray  # float32
-  top_k_i: np.ndarray  # int32
-  top_p_i: np.ndarray  # float32
-
-
 def _prefill_attention(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation):
   del layer_cache, attn_ctx
   return (model.causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation),
           (k_btkd, v_btkd))
-
-
-def _move_slots(state, src_i, dst_i):
-  """Move sequences from slots src_i to slots dst_i (registers and page tables only)."""
-  moved = {f: getattr(state, f).at[dst_i].set(getattr(state, f)[src_i], mode="drop")
-           for f in decode.SLOT_FIELDS}
-  moved["active_b"] = moved["active_b"].at[src_i].set(False, mode="drop")
-  return state._replace(**moved)
 
 
 def _prompt_kv(params, tokens_nt, *, model_cfg, kv_dtype):
@@ -186,47 +159,6 @@ def _prefill_into_pages(params, state, tokens_nt, true_length_n, pages_nm, *, mo
                           page_size=page_size)
 
 
-def _insert(state, ins: InsertBatch):
-  # Copy-on-write of the partial last prompt page: every new sequence writes its own
-  # tokens after the prompt, so it gets a private copy before its first step.
-  def copy(pool):  # pool [..., n, p, d]
-    return pool.at[..., ins.copy_dst_i, :, :].set(pool[..., ins.copy_src_i, :, :])
-
-  k_pages, v_pages = jax.tree.map(copy, state.k_pages), jax.tree.map(copy, state.v_pages)
-  keys_ir = jax.vmap(lambda seed, j: jax.random.key_data(
-      jax.random.fold_in(jax.random.key(seed), j)))(ins.seed_i, ins.sample_index_i)
-
-  def put(x, v):
-    return x.at[ins.slot_i].set(v.astype(x.dtype), mode="drop")
-
-  return state._replace(
-      k_pages=k_pages, v_pages=v_pages,
-      page_table_bm=put(state.page_table_bm, ins.page_table_im),
-      lengths_b=put(state.lengths_b, ins.length_i),
-      tokens_b=put(state.tokens_b, ins.token_i),
-      active_b=put(state.active_b, jnp.ones_like(ins.slot_i, bool)),
-      generated_b=put(state.generated_b, jnp.zeros_like(ins.slot_i)),
-      max_new_b=put(state.max_new_b, ins.max_new_i),
-      stop_on_eos_b=put(state.stop_on_eos_b, ins.stop_on_eos_i),
-      keys_br=put(state.keys_br, keys_ir),
-      temperature_b=put(state.temperature_b, ins.temperature_i),
-      top_k_b=put(state.top_k_b, ins.top_k_i),
-      top_p_b=put(state.top_p_b, ins.top_p_i))
-
-
-def _free_slots(state, slot_i):
-  m = state.page_table_bm.shape[1]
-  return state._replace(
-      active_b=state.active_b.at[slot_i].set(False, mode="drop"),
-      page_table_bm=state.page_table_bm.at[slot_i].set(
-          jnp.full((slot_i.shape[0], m), pt.NULL_PAGE, jnp.int32), mode="drop"))
-
-
-def _set_page_rows(state, slot_i, page_table_im):
-  return state._replace(
-      page_table_bm=state.page_table_bm.at[slot_i].set(page_table_im, mode="drop"))
-
-
 def _pow2_buckets(largest: int) -> tuple[int, ...]:
   """Powers of two below `largest`, then `largest`."""
   return tuple(sorted({b for b in (2 ** i for i in range(31)) if b < largest} | {largest}))
@@ -240,11 +172,15 @@ class Engine:
   get_tokenizer. rl_jax extras used by the Generator: write_prefix (one prefill shared
   by many slots), prefill_into_pages (many prompts prefilled and written in one call),
   insert_many (start many sequences in one call, with copy-on-write of
-  a partial page), set_page_rows (grow page tables), free_slots, move_slots and
-  generate(num_slots=k, num_pages=w, live=...) (decode only the first k slots when few
-  are busy, reading only the pages they use), pad_tokens.
+  a partial page), set_page_rows (grow page tables), free_slots, move_slots (one
+  program for all four: updates.apply), generate(num_slots=k, num_pages=w, live=...)
+  (decode only the first k slots when few are busy, reading only the pages they use),
+  apply_and_generate (prompts in a prefill lane of `prefill_lane` tokens, default twice
+  max_prefill_length, then updates staged in an updates.Pending, then generate: the
+  Generator's one dispatch per pass), pad_tokens.
   Every device method is jitted once per input shape (prefill once per length bucket,
-  generate once per (slot bucket, page-width bucket) pair it is called with).
+  generate once per (slot bucket, page-width bucket) pair it is called with, and
+  apply_and_generate once per pair with and once without the lane).
   """
 
   def __init__(self, model_cfg: model.ModelConfig, *, mesh: Mesh,
@@ -252,7 +188,7 @@ class Engine:
                max_prefill_length: int, max_new_tokens: int, dtype: str = "auto",
                steps_per_call: int = 1, stop_ids: Sequence[int] | None = None,
                tokenizer: Any = None, rules: shd.Rules = shd.SAMPLE_RULES,
-               layers: str = "auto", attention: str = "auto"):
+               layers: str = "auto", attention: str = "auto", prefill_lane: int | None = None):
     if mesh.shape.get("fsdp", 1) != 1:
       raise ValueError("the sampler mesh must have fsdp=1")
     for name, value in (("max_concurrent_decodes", max_concurrent_decodes),
@@ -276,6 +212,8 @@ class Engine:
     self._max_prefill_length = int(max_prefill_length)
     self.max_new_tokens = int(max_new_tokens)
     self.steps_per_call = int(steps_per_call)
+    # Prompt tokens the fused generate call can prefill (prefill_lane.py).
+    self.prefill_lane = int(2 * self._max_prefill_length if prefill_lane is None else prefill_lane)
     self.max_seq_len = self._max_prefill_length + self.max_new_tokens
     self.pages_per_seq = pt.pages_for(self.max_seq_len, self.page_size)
     self.kv_dtype = jnp.dtype(dtype)
@@ -306,7 +244,6 @@ class Engine:
 
   def _build_programs(self) -> None:
     cfg, st, rep = self.model_cfg, self.state_shardings, shd.replicated(self._mesh)
-    ins_sh = InsertBatch(*([rep] * len(InsertBatch._fields)))
     self._init_params = jax.jit(functools.partial(model.init_params, cfg),
                                 in_shardings=rep, out_shardings=self.param_shardings)
     self._init_state = jax.jit(self._zero_state, in_shardings=(), out_shardings=st)
@@ -321,19 +258,22 @@ class Engine:
                           page_size=self.page_size),
         in_shardings=(self.param_shardings, st, rep, rep, rep), out_shardings=st,
         donate_argnums=(1,))
-    self._insert = jax.jit(_insert, in_shardings=(st, ins_sh), out_shardings=st,
-                           donate_argnums=(0,))
-    self._free = jax.jit(_free_slots, in_shardings=(st, rep), out_shardings=st,
-                         donate_argnums=(0,))
-    self._set_rows = jax.jit(_set_page_rows, in_shardings=(st, rep, rep), out_shardings=st,
-                             donate_argnums=(0,))
-    self._move = jax.jit(_move_slots, in_shardings=(st, rep, rep), out_shardings=st,
-                         donate_argnums=(0,))
+    # Slot / page-table updates: alone (every slot may change) or fused into generate,
+    # with or without a prefill lane of `prefill_lane` tokens (prefill_lane.py).
+    self.update_layout = updates.Layout(self._slots, self._slots, self.pages_per_seq,
+                                        self.num_pages, 0, self.page_size)
+    self.fused_layout = self.update_layout._replace(rows=min(self._slots,
+                                                             max(8, self._slots // 4)))
+    self._apply = jax.jit(functools.partial(updates.apply, layout=self.update_layout),
+                          in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
 
-  def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0):
+  def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0,
+                       fused: int = 0):
     """The jitted generate over slots [0, num_slots) and page columns [0, num_pages);
-    with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets)."""
-    key = (int(num_slots), int(num_pages), int(num_live))
+    with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets).
+    fused 1: updates.apply_and_generate (a packed update applied first, outputs packed),
+    2: the same with the prefill lane."""
+    key = (int(num_slots), int(num_pages), int(num_live), int(fused))
     ragged = self.attention == "ragged"
     if (key[0] not in self.slot_buckets or key[1] not in self.page_buckets or
         (key[2] not in self.live_buckets if ragged else key[2])):
@@ -342,14 +282,19 @@ class Engine:
                        f"live pages, attention {self.attention})")
     if key not in self._generate:
       rep = shd.replicated(self._mesh)
+      kw = dict(num_slots=key[0], num_pages=key[1], steps=self.steps_per_call,
+                model_cfg=self.model_cfg, stop_ids=self.stop_ids, layers=self.layers,
+                attention=self.attention)
+      if fused:
+        layout = self.fused_layout._replace(lane=self.prefill_lane if fused == 2 else 0)
+        fn = functools.partial(updates.apply_and_generate, layout=layout, **kw)
+        args, out = (self.param_shardings, self.state_shardings, rep), rep
+      else:
+        fn = functools.partial(decode.generate, **kw)
+        args, out = (self.param_shardings, self.state_shardings), self._output_shardings(key[0])
       self._generate[key] = jax.jit(
-          functools.partial(decode.generate, num_slots=key[0], num_pages=key[1],
-                            steps=self.steps_per_call, model_cfg=self.model_cfg,
-                            stop_ids=self.stop_ids, layers=self.layers,
-                            attention=self.attention),
-          in_shardings=(self.param_shardings, self.state_shardings) + ((rep,) if ragged else ()),
-          out_shardings=(self.state_shardings, self._output_shardings(key[0])),
-          donate_argnums=(1,))
+          fn, in_shardings=args + ((rep,) if ragged else ()),
+          out_shardings=(self.state_shardings, out), donate_argnums=(1,))
     return self._generate[key]
 
   def page_bucket(self, max_positions: int) -> int:
@@ -485,33 +430,14 @@ class Engine:
     """
     if len(entries) > self._slots:
       raise ValueError(f"{len(entries)} inserts for {self._slots} slots")
-    n, b, m = len(entries), self._slots, self.pages_per_seq
+    pending = updates.Pending(self._slots)
+    for e in entries:
+      pending.insert(e)
+    return self.apply_updates(decode_state, pending)
 
-    def col(key, fill, dtype, fn=lambda x: x):
-      out = np.full((b,), fill, dtype)
-      out[:n] = [fn(e[key]) for e in entries]
-      return out
-
-    table_im = np.full((b, m), pt.NULL_PAGE, np.int32)
-    for i, e in enumerate(entries):
-      table_im[i] = pt.page_table_row(e["pages"], m)
-    copies = [e.get("copy") or (pt.NULL_PAGE, pt.NULL_PAGE) for e in entries]
-    copy_src = np.full((b,), pt.NULL_PAGE, np.int32)
-    copy_dst = np.full((b,), pt.NULL_PAGE, np.int32)
-    copy_src[:n] = [c[0] for c in copies]
-    copy_dst[:n] = [c[1] for c in copies]
-    ins = InsertBatch(
-        slot_i=col("slot", b, np.int32), page_table_im=table_im,
-        copy_src_i=copy_src, copy_dst_i=copy_dst,
-        token_i=col("token", 0, np.int32), length_i=col("length", 0, np.int32),
-        max_new_i=col("max_new_tokens", 0, np.int32),
-        stop_on_eos_i=col("stop_on_eos", False, np.bool_),
-        seed_i=col("seed", 0, np.int32, lambda s: np.int64(s) % (2 ** 31)),
-        sample_index_i=col("sample_index", 0, np.int32),
-        temperature_i=col("sampling", 0.0, np.float32, lambda s: s.temperature),
-        top_k_i=col("sampling", 0, np.int32, lambda s: s.top_k),
-        top_p_i=col("sampling", 1.0, np.float32, lambda s: s.top_p))
-    return self._insert(decode_state, ins)
+  def apply_updates(self, decode_state: DecodeState, pending: updates.Pending) -> DecodeState:
+    """Apply staged slot / page-table updates now, in one call."""
+    return self._apply(decode_state, pending.pack(self.update_layout))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, pages,
              sampling: Sampling = Sampling(), seed: int = 0, sample_index: int = 0,
@@ -536,10 +462,34 @@ class Engine:
     slot's positions this call must lie in those pages, see page_bucket). With
     attention "ragged", `live` = (slots, columns) lists the page-table cells busy slots
     read this call (all cells of the first num_slots rows when None)."""
+    program, args = self._generate_call(num_slots, num_pages, live, fused=0)
+    return program(params, decode_state, *args)
+
+  def apply_and_generate(self, params: Any, decode_state: DecodeState,
+                         pending: updates.Pending, **generate_kw) -> tuple[DecodeState, Any]:
+    """The prompts staged in `pending` prefilled (its lane), its updates applied, then
+    generate (same keywords): one dispatch when the updates fit fused_layout's rows,
+    else the lane and the updates go first by calls of their own. Returns the new state
+    and the outputs packed in one array, not waited for: updates.unpack_output(
+    np.asarray(x), steps_per_call) gives the StepOutput. Clears `pending`."""
+    layout = self.fused_layout._replace(lane=self.prefill_lane if pending.lane else 0)
+    if not pending.fits(layout):  # more inserts or rows than one fused call carries
+      lane = pending.take_lane()
+      if lane:  # the template pages first, as the fused program would
+        decode_state = self.prefill_into_pages(params, decode_state, *zip(*lane))
+      decode_state = self.apply_updates(decode_state, pending)
+      pending.clear()
+      layout = self.fused_layout
+    program, args = self._generate_call(fused=1 + bool(layout.lane), **generate_kw)
+    upd_v = pending.pack(layout)
+    pending.clear()
+    return program(params, decode_state, upd_v, *args)
+
+  def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused):
     k = self._slots if num_slots is None else int(num_slots)
     w = self.pages_per_seq if num_pages is None else int(num_pages)
     if self.attention != "ragged":
-      return self.generate_program(k, w)(params, decode_state)
+      return self.generate_program(k, w, fused=fused), ()
     if live is None:  # every column of every slot
       live = (np.repeat(np.arange(k), w), np.tile(np.arange(w), k))
     w = self.pages_per_seq  # only the KV writes read the table: one width
@@ -548,35 +498,35 @@ class Engine:
     pad = u - slot_u.shape[0]
     slot_u = np.concatenate([slot_u, np.zeros((pad,), np.int32)])
     col_u = np.concatenate([col_u, np.full((pad,), -1, np.int32)])
-    return self.generate_program(k, w, u)(params, decode_state, (slot_u, col_u))
+    return self.generate_program(k, w, u, fused=fused), ((slot_u, col_u),)
 
   def move_slots(self, decode_state: DecodeState, src, dst) -> DecodeState:
     """Move the sequences in slots `src` to the idle slots `dst` (their pages stay)."""
     src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
     if src.shape != dst.shape or set(src.tolist()) & set(dst.tolist()):
       raise ValueError(f"move_slots needs disjoint src/dst of one length, got {src}, {dst}")
-    return self._move(decode_state, self._pad_slots(src), self._pad_slots(dst))
-
-  def _pad_slots(self, slots) -> np.ndarray:
-    out = np.full((self._slots,), self._slots, np.int32)
-    slots = np.asarray(slots, np.int32).reshape(-1)
-    out[:slots.shape[0]] = slots
-    return out
+    pending = updates.Pending(self._slots)
+    for s, d in zip(src.tolist(), dst.tolist()):
+      pending.move(s, d)
+    return self.apply_updates(decode_state, pending)
 
   def free_slots(self, decode_state: DecodeState, slots) -> DecodeState:
     """Stop decoding in `slots` and point their page tables at the null page, so the
     host may hand their pages to other sequences."""
-    return self._free(decode_state, self._pad_slots(slots))
+    pending = updates.Pending(self._slots)
+    for s in np.asarray(slots, np.int32).reshape(-1).tolist():
+      pending.free(s)
+    return self.apply_updates(decode_state, pending)
 
   def free_resource(self, decode_state: DecodeState, slot: int) -> DecodeState:
     return self.free_slots(decode_state, [slot])
 
   def set_page_rows(self, decode_state: DecodeState, slots, pages_per_slot) -> DecodeState:
     """Replace the page tables of `slots` (e.g. after growing a sequence)."""
-    rows = np.full((self._slots, self.pages_per_seq), pt.NULL_PAGE, np.int32)
-    for i, pages in enumerate(pages_per_slot):
-      rows[i] = pt.page_table_row(pages, self.pages_per_seq)
-    return self._set_rows(decode_state, self._pad_slots(slots), rows)
+    pending = updates.Pending(self._slots)
+    for s, pages in zip(np.asarray(slots, np.int32).reshape(-1).tolist(), pages_per_slot):
+      pending.set_rows(s, pages)
+    return self.apply_updates(decode_state, pending)
 
   @property
   def max_concurrent_decodes(self) -> int:

@@ -5,14 +5,23 @@ Shape letters: s decode steps per generate call, b decode slots.
 One `step()` is one scheduling iteration:
   1. swap in weights published by `update_params` (see below);
   2. fill free slots: a group (one prompt, G samples) is prefilled once when its turn
-     comes (all groups admitted in one iteration share one prefill call) and its
-     samples are inserted as slots free up; the samples share the full
+     comes and its samples are inserted as slots free up; the samples share the full
      prompt pages and each gets a private copy of the partial last prompt page;
   3. give every running sequence the pages its next `steps_per_call` tokens need;
-  4. run one generate call and hand finished sequences back as rl_jax.types.Rollout
-     objects, freeing their slot and pages at once. When few slots are busy, their
-     sequences are moved into the lowest slots (registers only: the KV stays in its
-     pages) and the call covers just the smallest power-of-two prefix of slots.
+  4. dispatch one generate call, then read the tokens of the previous call and hand
+     finished sequences back as rl_jax.types.Rollout objects, freeing their slot and
+     pages. When few slots are busy, their sequences are moved into the lowest slots
+     (registers only: the KV stays in its pages) and the call covers just the smallest
+     power-of-two prefix of slots.
+
+One dispatch per step: the slot and page-table updates of steps 2-4 are staged in an
+updates.Pending and applied inside the generate program, and the prompts admitted in
+the step ride in its prefill lane (prefill_lane.py) while they fit; a prompt that does
+not fit waits for the next step, unless it is longer than the whole lane (then it is
+prefilled by a call of its own). The device runs a step's call while the host prepares
+the next step, so the host learns that a sequence finished one call late: its slot and
+pages come back one call later, and a call may cover a slot whose sequence already
+ended (the device knows and leaves it idle).
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
@@ -37,7 +46,8 @@ Weight updates: `update_params(params, version)` is the one method safe to call 
 another thread; it stores the weights in a pending slot that the sampler thread swaps
 in at the top of its next `step()` (the latest call wins). With inflight weight updates
 on, running sequences continue on the new weights with their KV kept, and tokens from
-then on carry the new version. With them off, the generator stops starting sequences,
+then on carry the new version (the call already on the device keeps the old weights,
+and its tokens their version). With them off, the generator stops starting sequences,
 finishes the running ones on the old weights, then swaps and re-prefills prompts that
 were prefilled under the old weights. Every other method belongs to the sampler thread.
 """
@@ -49,12 +59,12 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import turns as turns_lib
+from rl_jax.sampler import updates
 from rl_jax.sampler.turns import Turn  # noqa: F401  (part of the Generator's API)
 from rl_jax.types import Rollout
 
@@ -98,6 +108,7 @@ class _Seq:
   versions: list = dataclasses.field(default_factory=list)
   first_token: float = 0.0
   turn: turns_lib.TurnState | None = None  # episode state (turn_end groups only)
+  run: int = 0  # bumped when the sequence parks: calls dispatched before carry void tokens
 
 
 class Generator(turns_lib.TurnsMixin):
@@ -119,6 +130,8 @@ class Generator(turns_lib.TurnsMixin):
     self._pending_params: tuple[Any, int] | None = None
     self._lock = threading.Lock()
     self._state = engine.init_decode_state()
+    # Slot / page-table updates of this pass, applied by the next generate call.
+    self._pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
     self.allocator = pt.PageAllocator(num_pages=engine.num_pages, page_size=engine.page_size)
     self._groups: list[_Group] = []  # unfinished groups, oldest first
     self._group_ids: set[int] = set()
@@ -126,6 +139,7 @@ class Generator(turns_lib.TurnsMixin):
     self._order = 0
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
+    self._inflight = None  # the generate call on the device (see _launch)
     self.tokens_generated = 0
     self.rollouts_finished = 0
     self.preemptions = 0
@@ -141,7 +155,7 @@ class Generator(turns_lib.TurnsMixin):
   @property
   def num_active(self) -> int:
     """Sequences occupying a decode slot."""
-    return sum(s is not None for s in self._slots)
+    return len(self._slots) - self._slots.count(None)
 
   @property
   def num_pending(self) -> int:
@@ -215,7 +229,8 @@ class Generator(turns_lib.TurnsMixin):
     self._group_ids.add(group_id)
 
   def step(self) -> list[Rollout]:
-    """One scheduling iteration; returns the rollouts that finished in it."""
+    """One scheduling iteration; returns the rollouts whose last token it read (they
+    finished in the previous iteration's call)."""
     held, self._held = self._held, []
     return held + self._step()
 
@@ -248,14 +263,16 @@ class Generator(turns_lib.TurnsMixin):
     return out
 
   def abort_all(self) -> list[Rollout]:
-    """End every group now: running samples keep their tokens so far, samples that never
-    started come back empty; all finish_reason "aborted". Frees every slot and page."""
-    now = self._clock()
+    """End every group now: running samples keep their tokens so far (including those of
+    the call still on the device), samples that never started come back empty; all
+    finish_reason "aborted" but the ones that finished in that call and rollouts held
+    back by generate(). Frees every slot and page."""
     out, self._held = self._held, []
+    out += self._collect()  # rollouts that finish in the call in flight end normally
+    now = self._clock()
     running = [s for s in self._slots if s is not None]
-    if running:
-      self._state = self.engine.free_slots(self._state, [s.slot for s in running])
     for seq in running:
+      self._pending.free(seq.slot)
       out.append(self._end(seq, "aborted", now))
     out.extend(self._abort_parked(now))
     for g in list(self._groups):
@@ -290,24 +307,43 @@ class Generator(turns_lib.TurnsMixin):
     self._maybe_swap_params()
     if not self._draining():
       self._fill_slots()
-    if not self.num_active:
-      self.busy_s += time.perf_counter() - t0
-      return []
-    self._grow_pages()
-    finished = []
     if self.num_active:
-      version = self._version
-      num_slots = self._compact()
-      # Attention reads only the page-table columns the longest busy sequence reaches.
-      width = self.engine.page_bucket(max(self._call_positions(s) for s in self._slots
-                                          if s is not None))
-      self._state, out = self.engine.generate(self._params, self._state,
-                                              num_slots=num_slots, num_pages=width,
-                                              live=self._live_pages())
-      self.generate_calls += 1
-      finished = self._consume(jax.device_get(out), version)
+      self._grow_pages()
+    launched = None
+    if self.num_active:
+      launched = self._launch()
+    else:
+      # Every group prefilled in this pass was preempted (its pages are free again):
+      # drop its lane prompts, so they cannot land in pages reused by a later pass.
+      self._pending.take_lane()
+    # The previous call ran on the device while this pass was prepared on the host.
+    finished = self._collect()
+    self._inflight = launched
     self.busy_s += time.perf_counter() - t0
     return finished
+
+  def _launch(self):
+    """Dispatch this pass's generate call (no wait): (packed outputs, weight version,
+    [(slot, sequence, sequence.run)] of the busy slots it decodes, the set of those sequences)."""
+    num_slots = self._compact()
+    busy = [(b, s, s.run) for b, s in enumerate(self._slots) if s is not None]
+    # Attention reads only the page-table columns the longest busy sequence reaches.
+    width = self.engine.page_bucket(max(self._call_positions(s) for _, s, _ in busy))
+    # One dispatch: this pass's prompts, inserts, page rows and moves, then the decode.
+    self._state, out = self.engine.apply_and_generate(
+        self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
+        live=self._live_pages())
+    self.generate_calls += 1
+    return out, self._version, busy, {s for _, s, _ in busy}
+
+  def _collect(self) -> list[Rollout]:
+    """Wait for the call in flight (if any) and take in its tokens."""
+    if self._inflight is None:
+      return []
+    out, version, busy, _ = self._inflight
+    self._inflight = None
+    return self._consume(updates.unpack_output(np.asarray(out), self.engine.steps_per_call),
+                         version, busy)
 
   def _fill_slots(self) -> None:
     """Start resuming sequences, then waiting samples, in free slots, oldest group first."""
@@ -331,25 +367,32 @@ class Generator(turns_lib.TurnsMixin):
     inserts, exhausted, prefills, extends = [], [], [], []
     if self._resuming:  # older work than any new sample
       reserve = self._start_resumes(free, reserve, inserts, extends)
-    admitting = True
-    for g in list(self._groups):
-      if not free:
-        break
+    lane_left = self._pending.lane_tokens - self._pending.lane_used
+    groups, i = list(self._groups), 0
+    while free and i < len(groups):
+      g = groups[i]
+      i += 1
       if not g.waiting:
         continue
       cached = g.prompt.shape[0] - 1
       first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens),
                                 eng.page_size) - g.num_full
       if g.prefix_pages is None:
-        if not admitting:
-          continue
         # While others run, a new prompt also leaves 1/16 of the pool free for their
         # growth, which keeps preemptions (recomputed work) rare near a full pool.
         watermark = alloc.capacity // 16 if self.num_active else 0
-        if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
-          admitting = False  # first come, first served for new prompts
+        # A prompt that misses the prefill lane of this pass's generate call, which
+        # already holds others, waits for the next pass (one dispatch per pass); only
+        # a prompt longer than the whole lane is prefilled by a call of its own.
+        if (lane_left < cached <= self._pending.lane_tokens or
+            alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark):
+          # First come, first served for new prompts: from here on only groups that
+          # hold their prompt pages may start samples (no per-group scan of the rest).
+          groups = [h for h in groups[i:] if h.prefix_pages is not None]
+          i = 0
           continue
         self._prefill(g, prefills)
+        lane_left -= cached if cached <= lane_left else 0
       while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
@@ -369,21 +412,27 @@ class Generator(turns_lib.TurnsMixin):
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
       if not g.waiting:
         exhausted.append(g)
-    if prefills:  # before the inserts copy their template pages
+    # Prompts go to the prefill lane of this pass's generate call while they fit; the
+    # rest are prefilled now. Both happen before the inserts copy their template pages.
+    prefills = [g for g in prefills if not self._pending.prefill(g.prompt, g.prefix_pages)]
+    if prefills:
       self._state = eng.prefill_into_pages(self._params, self._state,
                                            [g.prompt for g in prefills],
                                            [g.prefix_pages for g in prefills])
     if extends:  # observations of resuming sequences, before their inserts
       self._state = self._extender.extend(self._params, self._state, extends)
-    if inserts:
-      self._state = eng.insert_many(self._state, inserts)
-    # Only after the inserts above have read the template pages.
+    # Applied by this pass's generate call, after the prefill above and before its decode
+    # steps write any page, so the template pages released below are read in time.
+    for entry in inserts:
+      self._pending.insert(entry)
     for g in exhausted:
       self._release_prefix(g)
 
   def _call_positions(self, seq: _Seq) -> int:
-    """Positions `seq`'s cache may hold after the next generate call."""
-    return min(seq.length + self.engine.steps_per_call, seq.cache_limit)
+    """Positions `seq`'s cache may hold after the next generate call (and the call in
+    flight, whose tokens the host has not seen yet)."""
+    calls = 1 + (self._inflight is not None and seq in self._inflight[3])
+    return min(seq.length + calls * self.engine.steps_per_call, seq.cache_limit)
 
   def _live_pages(self):
     """(slots, columns) of every page a busy sequence may read in the next call, for
@@ -413,7 +462,7 @@ class Generator(turns_lib.TurnsMixin):
       g.prefix_pages = None
 
   def _grow_pages(self) -> None:
-    eng, alloc = self.engine, self.allocator
+    alloc = self.allocator
     grown = []
     running = sorted((s for s in self._slots if s is not None), key=lambda s: s.group.order)
     for seq in running:
@@ -431,10 +480,9 @@ class Generator(turns_lib.TurnsMixin):
       if new is not None and self._slots[seq.slot] is seq:
         seq.pages.extend(int(p) for p in new)
         grown.append(seq)
-    grown = [s for s in grown if self._slots[s.slot] is s]
-    if grown:
-      self._state = eng.set_page_rows(self._state, [s.slot for s in grown],
-                                      [s.pages for s in grown])
+    for seq in grown:
+      if self._slots[seq.slot] is seq:
+        self._pending.set_rows(seq.slot, seq.pages)
 
   def _compact(self) -> int:
     """Move busy sequences into the lowest slots so the smallest slot bucket that can
@@ -444,8 +492,8 @@ class Generator(turns_lib.TurnsMixin):
     high = [i for i in busy if i >= want]
     if high:
       low = [i for i in range(want) if self._slots[i] is None][:len(high)]
-      self._state = self.engine.move_slots(self._state, high, low)
       for src, dst in zip(high, low):
+        self._pending.move(src, dst)
         seq = self._slots[src]
         seq.slot, self._slots[dst], self._slots[src] = dst, seq, None
     return want
@@ -454,9 +502,8 @@ class Generator(turns_lib.TurnsMixin):
     """Drop the group's running and parked samples (they restart from the prompt, under
     a new attempt) and its pages."""
     seqs = [s for s in self._slots if s is not None and s.group is g]
-    if seqs:
-      self._state = self.engine.free_slots(self._state, [s.slot for s in seqs])
     for seq in seqs:
+      self._pending.free(seq.slot)
       self._slots[seq.slot] = None
       self.allocator.release(seq.pages)
       g.running -= 1
@@ -468,35 +515,45 @@ class Generator(turns_lib.TurnsMixin):
     self._release_prefix(g)
     self.preemptions += 1
 
-  def _consume(self, out: engine_lib.StepOutput, version: int) -> list[Rollout]:
-    """Append each busy slot's tokens of this call (one slice per slot, not per token)."""
+  def _consume(self, out: engine_lib.StepOutput, version: int, busy) -> list[Rollout]:
+    """Append the tokens of one call to its busy sequences, busy = [(slot, sequence,
+    run)] at dispatch (one slice per slot, not per token). Sequences that ended, parked
+    at a turn's end (and maybe resumed since: `run` changed) or were preempted after the
+    call was dispatched are skipped: the device did not decode them, or their tokens are
+    void."""
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
-    busy = [i for i, seq in enumerate(self._slots) if seq is not None]
-    if not valid_sb[0, busy].all():
+    busy = [(b, seq) for b, seq, run in busy if seq.run == run and self._slots[seq.slot] is seq]
+    if not valid_sb[0, [b for b, _ in busy]].all():
       # Host and device disagree about which slots decode: fail now, not spin forever.
-      raise RuntimeError(f"decode slots {busy} are busy on the host but the device "
-                         f"decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
-    # A slot decodes a prefix of the call's steps: valid until it finishes.
+      raise RuntimeError(f"decode slots {[b for b, _ in busy]} are busy on the host but the "
+                         f"device decoded only {np.flatnonzero(valid_sb[0]).tolist()}")
+    # A slot decodes a prefix of the call's steps: valid until it finishes. Each array
+    # goes to Python lists once per call, not once per slot.
     counts_b = valid_sb.sum(axis=0)
+    finish_b = out.finish_sb[np.maximum(counts_b - 1, 0), np.arange(counts_b.shape[0])]
+    tokens_bs, logprobs_bs = out.tokens_sb.T.tolist(), out.logprobs_sb.T.tolist()
+    counts_b, finish_b = counts_b.tolist(), finish_b.tolist()
+    steps = valid_sb.shape[0]
     parked = []
-    for b in busy:
-      seq, n = self._slots[b], int(counts_b[b])
+    for b, seq in busy:
+      n = counts_b[b]
       if not seq.tokens:
         seq.first_token = now
-      seq.tokens.extend(out.tokens_sb[:n, b].tolist())
-      seq.logprobs.extend(out.logprobs_sb[:n, b].tolist())
+      seq.tokens.extend(tokens_bs[b] if n == steps else tokens_bs[b][:n])
+      seq.logprobs.extend(logprobs_bs[b] if n == steps else logprobs_bs[b][:n])
       seq.versions.extend([version] * n)
       seq.length += n
       self.tokens_generated += n
-      reason = _REASONS.get(int(out.finish_sb[n - 1, b]))
+      reason = _REASONS.get(finish_b[b])
+      slot = seq.slot  # where it is now: a move since the dispatch changes it
       if seq.turn is not None and self._turn_ended(seq, reason):
-        parked.append(b)
+        parked.append(slot)
       elif reason is not None:
         finished.append(self._end(seq, reason, now))
-    if parked:  # their slots may still be decoding past the turn's end
-      self._state = self.engine.free_slots(self._state, parked)
+    for b in parked:  # their slots still decode past the turn's end on the device
+      self._pending.free(b)
     return finished
 
   def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:

@@ -164,6 +164,7 @@ class TurnsMixin:
     g = seq.group
     self._slots[seq.slot] = None
     seq.slot = -1
+    seq.run += 1  # the call in flight decoded past the turn: its tokens for it are void
     keep = pt.pages_for(seq.length, self.engine.page_size)
     self.allocator.release(seq.pages[keep:])
     del seq.pages[keep:]

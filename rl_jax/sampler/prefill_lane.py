@@ -1,0 +1,95 @@
+"""The prefill lane: prompts prefilled inside the Generator's one program per pass
+(updates.apply_and_generate), before the pass's inserts copy their template pages.
+
+Shape letters: L lane tokens, l layers, k kv heads, h query heads, d head_dim, e embed,
+n pages in the pool, p tokens per page, m pages per sequence.
+
+The lane is a fixed number of token positions (Engine.prefill_lane). The cached tokens
+of each prompt (all but its last, which is the first decode input) are packed one prompt
+after another, each token with its position in its prompt, its prompt's index in the
+lane (the segment) and the page that holds that position. One forward over the lane
+attends causally within each segment, so packed prompts never see each other, and
+scatters every token's K/V into its page; padding tokens form segment -1 and write to
+the null page. Prompts that do not fit go through Engine.prefill_into_pages instead.
+One lane size means one extra program per (slot bucket, width bucket) pair, whatever
+the prompt lengths.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from rl_jax.model import transformer as tfm
+from rl_jax.sampler import decode
+from rl_jax.sampler import page_table as pt
+
+FIELDS = 4  # token, position, segment, page
+
+
+class Lane(NamedTuple):
+  """A packed lane (int32 [L] each); from `pack`, or traced from a packed vector."""
+  token_L: jax.Array | np.ndarray
+  pos_L: jax.Array | np.ndarray
+  seg_L: jax.Array | np.ndarray
+  page_L: jax.Array | np.ndarray
+
+
+def pack(out_fL: np.ndarray, prompts: Sequence, pages: Sequence, page_size: int) -> None:
+  """Writes the lane of `prompts` (their cached tokens) into out_fL (int32 [4, L], from
+  `empty_rows`), each prompt's position j to page pages[i][j // page_size]."""
+  at = 0
+  for i, (prompt, pg) in enumerate(zip(prompts, pages)):
+    n = len(prompt) - 1
+    pos = np.arange(n)
+    out_fL[0, at:at + n] = prompt[:-1]
+    out_fL[1, at:at + n] = pos
+    out_fL[2, at:at + n] = i
+    out_fL[3, at:at + n] = np.asarray(pg, np.int32)[pos // page_size]
+    at += n
+
+
+def empty_rows(lane: int) -> np.ndarray:
+  """int32 [4, L]: an all-padding lane (segment -1, null page)."""
+  out = np.zeros((FIELDS, lane), np.int32)
+  out[2] = -1
+  out[3] = pt.NULL_PAGE
+  return out
+
+
+def _lane_attend(k_pages, v_pages, layer, *, mask_1LL, page_L, slot_L):
+  """attend(q, k, v): causal attention within each segment of the lane, and the lane's
+  K/V written to (page_L, slot_L) of this layer's pool (or the stacked pools at
+  `layer`)."""
+  def attend(q_1Lhd, k_1Lkd, v_1Lkd):
+    out_1Lhd = tfm.causal_attention(q_1Lhd, k_1Lkd, v_1Lkd, mask_1LL)
+    k_Lkd = k_1Lkd[0].astype(k_pages.dtype)
+    v_Lkd = v_1Lkd[0].astype(v_pages.dtype)
+    if layer is None:
+      k_new = k_pages.at[:, page_L, slot_L].set(k_Lkd.transpose(1, 0, 2))
+      v_new = v_pages.at[:, page_L, slot_L].set(v_Lkd.transpose(1, 0, 2))
+    else:
+      k_new = k_pages.at[layer, :, page_L, slot_L].set(k_Lkd)
+      v_new = v_pages.at[layer, :, page_L, slot_L].set(v_Lkd)
+    return out_1Lhd, (k_new, v_new)
+  return attend
+
+
+def write(params, state: decode.DecodeState, lane: Lane, *, model_cfg,
+          layers: str) -> decode.DecodeState:
+  """`state` with the lane's K/V written into its pages (every layer)."""
+  p = (state.k_pages[0] if layers == "unrolled" else state.k_pages).shape[-2]
+  x_1Le, cos_1Ld, sin_1Ld = decode.embed_positions(model_cfg, params, lane.token_L[None],
+                                                   lane.pos_L[None])
+  mask_1LL = (lane.seg_L[:, None] == lane.seg_L[None, :])[None]
+
+  def attend_at(k_pages, v_pages, layer):
+    return _lane_attend(k_pages, v_pages, layer, mask_1LL=mask_1LL, page_L=lane.page_L,
+                        slot_L=lane.pos_L % p)
+
+  # Only the K/V are used: XLA drops the last layer's MLP (unrolled layers).
+  _, k_pages, v_pages = decode.run_layers(model_cfg, params, x_1Le, cos_1Ld, sin_1Ld,
+                                          state.k_pages, state.v_pages, attend_at,
+                                          layers=layers)
+  return state._replace(k_pages=k_pages, v_pages=v_pages)
