@@ -3,19 +3,20 @@
   models     throughput / length / latency models, roofline priors, DeviceSpec
   memory     per-device memory of sampler and trainer, and whether a layout fits
   simulate   discrete-event simulation of the sync / async loop -> Prediction
-  queueing   its event queue and verifier server pool
+  queueing   its event queue, verifier server pool, decode segments
+  contention how much sampler and trainer slow each other (fitted from timelines)
   profile    fit the models from a pilot workdir; steady-state metrics of a run
   capacity   sweep sampler / trainer splits, reject, rank, sensitivity, validation
   render     text tables and the PNG
 
 Nothing here imports the model, sampler or trainer at import time.
 """
-from rl_jax.planner.capacity import (Candidate, Layout, Plan, PlanError, layouts, load_profile,
-                                     overrides, plan, scenario, validate)
+from rl_jax.planner.capacity import (Candidate, Layout, Plan, PlanError, diagnose, layouts,
+                                     load_profile, overrides, plan, scenario, validate)
 from rl_jax.planner.memory import MemoryEstimate, estimate, kv_bytes_per_token
 from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, SamplerModel, TrainerModel,
                                    VerifierModel)
 from rl_jax.planner.profile import Pilot, Profile, ProfileError, steady_state
 from rl_jax.planner.render import format_plan, format_validation, plot_plan
 from rl_jax.planner.queueing import ServerPool
-from rl_jax.planner.simulate import Prediction, Scenario, diagnose, simulate
+from rl_jax.planner.simulate import Prediction, Scenario, simulate

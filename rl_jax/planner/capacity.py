@@ -33,7 +33,7 @@ from rl_jax.planner import memory as memory_lib
 from rl_jax.planner import profile as profile_lib
 from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, VerifierModel, prior_sampler,
                                    prior_trainer, prior_weight_sync_s, train_flops_per_token)
-from rl_jax.planner.simulate import Prediction, Scenario, diagnose, simulate
+from rl_jax.planner.simulate import Prediction, Scenario, simulate
 
 
 class PlanError(UserError, ValueError):
@@ -179,7 +179,9 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       verifier=verifier.scaled(verifier_scale) if verifier_scale != 1.0 else verifier,
       sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
-      colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed))
+      colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed),
+      sampler_share=profile.sampler_share if profile is not None else 1.0,
+      trainer_share=profile.trainer_share if profile is not None else 1.0)
 
 
 def pilot_layout(cfg) -> Layout:
@@ -393,3 +395,32 @@ def overrides(cfg, cand: Candidate) -> list[str]:
     flags += [f"--config.rl.max_staleness={cand.max_staleness}",
               f"--config.rl.max_inflight_groups={cand.max_inflight_groups}"]
   return flags
+
+
+def diagnose(pred: Prediction, scenario: Scenario) -> str:
+  """Names the bottleneck, after the seed's eight-GPU exercise.
+
+    trainer-starved  queue mostly empty (mean depth under a quarter of a batch) and the
+                     trainer idle half the time or more
+    overproducing    staleness near the bound (mean >= bound / 2, bound > 0) with
+                     discards, or a queue averaging at least one batch, with a busy trainer
+    verifier-bound   trainer-starved, and the verifier pool busier than the sampler
+    balanced         neither
+  Sync mode waits at its barrier by design, so it is labelled by the larger share of
+  the step: "sync, training-bound" or "sync, generation-bound".
+  """
+  if scenario.mode == "sync":
+    return ("sync, training-bound" if pred.trainer_busy_frac >= 0.5
+            else "sync, generation-bound")
+  starved = (pred.queue_depth_mean < scenario.groups_per_step / 4 and
+             pred.trainer_busy_frac < 0.5)
+  if starved:
+    if pred.verifier_busy_frac > max(pred.sampler_busy_frac, 0.8):
+      return "verifier-bound"
+    return "trainer-starved"
+  bound = scenario.max_staleness
+  stale = bound > 0 and pred.staleness_mean >= bound / 2 and pred.discard_rate > 0
+  deep = pred.queue_depth_mean >= scenario.groups_per_step
+  if (stale or deep) and pred.trainer_busy_frac >= 0.7:
+    return "overproducing"
+  return "balanced"
