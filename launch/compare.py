@@ -1,11 +1,13 @@
 """Run sync and async GRPO on the same workload and seed, then report time-to-target.
 
   python launch/compare.py --config configs/default.py --workdir runs/compare [--config.x=y ...]
+      [--plot docs/compare_default.png]
 
 Each mode runs in its own process (fair compile and cache state). Target = sync's final
 held-out reward, taken as the mean of its last three evaluations because one evaluation
 is noisy; time to target = pipeline time of a run's first evaluation at or above it;
-speedup = sync's time to target / async's.
+speedup = sync's time to target / async's. --plot also writes the held-out reward vs
+wall time plot, with the headline under it, to a .png or .svg file (the README's images).
 """
 import os
 import subprocess
@@ -22,7 +24,11 @@ def _main(argv):
   p = cli.ArgumentParser(description=__doc__)
   p.add_argument("--config", required=True)
   p.add_argument("--workdir", default="runs/compare")
+  p.add_argument("--plot", default="", help="also write the held-out reward vs time plot "
+                 "to this .png or .svg file")
   args, overrides = p.parse_known_args(argv)
+  if args.plot:
+    report.check_plot_path(args.plot)
   for mode in ("sync", "async"):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", args.config,
            *overrides, f"--config.rl.mode={mode}", "--workdir", os.path.join(args.workdir, mode)]
@@ -53,6 +59,10 @@ def _main(argv):
   path = report.write_html(runs, args.workdir, headline=line)
   print(line)
   print(f"report: {path}")
+  if args.plot:
+    name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
+    print("plot: " + report.plot_heldout(
+        runs, args.plot, title=f"{name}: held-out reward vs wall time", note=line))
 
 
 def main(argv=None):

@@ -52,6 +52,52 @@ def _series(rows, key):
   return np.asarray(t, float), np.asarray(v, float)
 
 
+def _heldout_figure(runs: list[dict], plt, title: str = "Held-out reward vs wall time",
+                    note: str = ""):
+  """Held-out reward (greedy) against pipeline wall time, one line per run; `note`
+  (e.g. compare.py's headline) is wrapped under the axes."""
+  fig, ax = plt.subplots(figsize=(6, 4.4 if note else 4))
+  for run in runs:
+    c = np.asarray(run["summary"]["heldout_curve"], float)
+    ax.plot(c[:, 0], c[:, 2], marker="o", label=run["name"])
+  ax.set_xlabel("pipeline wall time (s)")
+  ax.set_ylabel("held-out reward (greedy)")
+  ax.set_title(title)
+  ax.legend()
+  if note:
+    import textwrap
+    fig.text(0.5, 0.01, "\n".join(textwrap.wrap(note, 90)), ha="center", va="bottom",
+             fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+  else:
+    fig.tight_layout()
+  return fig
+
+
+def check_plot_path(path: str) -> None:
+  """A --plot path must end in .png or .svg (checked before any run starts)."""
+  ext = os.path.splitext(path)[1].lower()
+  if ext not in (".png", ".svg"):
+    raise ReportError(f"--plot {path}: the plot is written as .png or .svg, "
+                      f"not {ext or 'a file without extension'}")
+
+
+def plot_heldout(runs: list[dict], path: str, *, title: str = "Held-out reward vs wall time",
+                 note: str = "") -> str:
+  """Writes the held-out-reward-vs-time plot alone to `path` (.png or .svg, e.g. a
+  docs/ image the README links); returns `path`."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  check_plot_path(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig = _heldout_figure(runs, plt, title=title, note=note)
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return path
+
+
 def make_plots(runs: list[dict], outdir: str) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
@@ -67,15 +113,7 @@ def make_plots(runs: list[dict], outdir: str) -> list[str]:
     plt.close(fig)
     files.append(name)
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for run in runs:
-    c = np.asarray(run["summary"]["heldout_curve"], float)
-    ax.plot(c[:, 0], c[:, 2], marker="o", label=run["name"])
-  ax.set_xlabel("pipeline wall time (s)")
-  ax.set_ylabel("held-out reward (greedy)")
-  ax.set_title("Held-out reward vs wall time")
-  ax.legend()
-  save(fig, "heldout_vs_time.png")
+  save(_heldout_figure(runs, plt), "heldout_vs_time.png")
 
   fig, ax = plt.subplots(figsize=(6, 4))
   width = 0.8 / max(len(runs), 1)

@@ -57,6 +57,22 @@ def test_sync_baseline_is_default_in_sync_mode():
   assert cfg.to_dict() == base.to_dict()
 
 
+def test_no_tool_latency_is_default_without_verifier_latency():
+  """The compute-bound workload differs from the default in the injected verifier
+  latency only, in both modes (compare.py overrides rl.mode)."""
+  base, _ = load()
+  for mode in ("", ":mode=sync"):
+    cfg, _ = load(spec=os.path.join(ROOT, "configs", "no_tool_latency.py") + mode)
+    config_lib.validate(cfg, num_devices=8)
+    assert cfg.verifier.latency == "none" and base.verifier.latency == "lognormal"
+    assert cfg.rl.mode == ("sync" if mode else "async")
+    mine, theirs = cfg.to_dict(), base.to_dict()
+    for d in (mine, theirs):
+      d["verifier"] = {k: v for k, v in d["verifier"].items() if not k.startswith("latency")}
+      d["rl"] = {k: v for k, v in d["rl"].items() if k != "mode"}
+    assert mine == theirs
+
+
 @pytest.mark.parametrize("args, words", [
     (["--config.rl.max_stalenes=2"], ["rl.max_stalenes", "max_staleness"]),
     (["--config.nope.x=1"], ["nope"]),
@@ -116,7 +132,7 @@ def test_bad_file_and_variant(tmp_path):
     ("model.attention", "flash", ["model.attention", "'cudnn'", "'splash'"]),
     ("model.remat", "some", ["model.remat", "'none', 'full', 'dots'"]),
     ("trainer.logprob_chunk_len", -1, ["trainer.logprob_chunk_len", ">= 0"]),
-    ("env.max_total_tokens", 64, ["env.max_total_tokens", "sampler.max_new_tokens (12)"]),
+    ("env.max_total_tokens", 64, ["env.max_total_tokens", "sampler.max_new_tokens (8)"]),
     ("env.tool.latency", "gamma", ["env.tool.latency", "'lognormal'"]),
     ("env.tool.backend", "fibers", ["env.tool.backend", "'threads'"]),
     ("env.tool.latency_alpha", 1.0, ["env.tool.latency_alpha", "> 1"]),

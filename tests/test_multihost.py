@@ -22,6 +22,8 @@ TINY = [
     "--config.mesh.colocated=True", "--config.mesh.sampler.data=8",
     "--config.mesh.trainer.data=8", "--config.rl.eval_every=0",
     "--config.metrics.tensorboard=False", "--config.metrics.console=False",
+    # Sizes the default's CPU tuning may change, pinned small.
+    "--config.sampler.max_concurrent_decodes=64", "--config.verifier.workers=8",
 ]
 
 

@@ -480,3 +480,72 @@ def test_turn_model_draws_and_budget():
   assert model.tool.latency.mean_s == 0.5
   with pytest.raises(capacity.PlanError, match="--turns-per-episode"):
     capacity.turn_model(cfg, turns_per_episode=0.5)
+
+
+def _contended_timeline(work_s, busy_windows, share, start=0.0, gap=0.0, count=400):
+  """Back-to-back intervals of `work_s` alone seconds each (then `gap` idle), running
+  at `share` of alone speed inside `busy_windows` (the other role's busy time): the
+  exact timeline the contention model describes, stepped in small time slices."""
+  out, t, dt = [], start, 1e-4
+  inside = lambda x: any(a <= x < b for a, b in busy_windows)
+  for _ in range(count):
+    t0, done = t, 0.0
+    while done < work_s - 1e-12:
+      rate = share if inside(t) else 1.0
+      step = min(dt, (work_s - done) / rate)
+      done += step * rate
+      t += step
+    out.append([t0, t])
+    t += gap
+  return np.asarray(out)
+
+
+def test_contention_fit_recovers_known_shares():
+  """Sampler calls of 0.02 s (alone) slowed to 0.25x while train steps run in
+  [k, k + 0.3); train steps of 0.3 s slowed to 0.6x while the sampler is busy in
+  [k + 0.1, k + 0.2) for even k only. Both shares come back (work conservation is
+  exact here, up to the 0.1 ms time slices); a role that never overlaps keeps 1."""
+  from rl_jax.planner import contention
+  trainer_busy = [(k, k + 0.3) for k in range(10)]
+  sampler = _contended_timeline(0.02, trainer_busy, 0.25, count=300)
+  assert contention.fit_share(sampler, np.asarray(trainer_busy)) == pytest.approx(0.25, abs=0.01)
+  sampler_busy = [(k + 0.1, k + 0.2) for k in range(0, 40, 2)]
+  trainer = np.concatenate([_contended_timeline(0.3, sampler_busy, 0.6, start=k, count=1)
+                            for k in range(40)])
+  assert contention.fit_share(trainer, np.asarray(sampler_busy)) == pytest.approx(0.6, abs=0.01)
+  # Sync: the roles take turns, so nothing overlaps and nothing is fitted.
+  turns = np.asarray([[k + 0.5, k + 0.9] for k in range(40)])
+  assert contention.fit_share(turns, np.asarray(trainer_busy)) is None
+  notes = []
+  fitted = contention.fit_contention(
+      {"timeline": {"sampler": sampler.tolist(), "trainer": trainer_busy}}, 0.0, notes)
+  assert fitted.sampler_share == pytest.approx(0.25, abs=0.01) and fitted.trainer_share == 1.0
+  # Overlap arithmetic: [0, 1] and [2, 4] against [0.5, 2.5] overlap 0.5 and 0.5 s.
+  assert contention.overlap_s(np.asarray([[0, 1], [2, 4]]), np.asarray([[0.5, 2.5]])).tolist() == [0.5, 0.5]
+  # Alone seconds: 10 s busy with 4 s of it overlapped at share 0.25 -> 6 + 1 = 7.
+  fitted.sampler, fitted.trainer = np.asarray([[0.0, 10.0]]), np.asarray([[0.0, 4.0]])
+  fitted.sampler_share = 0.25
+  assert fitted.alone_busy_s("sampler", 10.0, 0.0, 10.0) == pytest.approx(7.0)
+
+
+def test_simulated_contention_serialises_a_stalled_sampler():
+  """One batch of 8 groups x 4 samples of exactly 20 tokens fills the 32 slots; decode
+  steps take 0.01 s (a batch 0.2 s) and train steps 0.5 s, verification instant. On
+  independent devices async overlaps them: a step every max(0.5, 0.2) s. A sampler
+  stalled while the trainer runs (share 0.01) serialises them: every 0.5 + 0.2 s."""
+  lengths = LengthModel(kind="empirical", max_tokens=32, values=(20.0,))
+  common = dict(groups_per_step=8, group_size=4, max_inflight_groups=16, decode_slots=32,
+                lengths=lengths, prompt_tokens=4, num_steps=80, weight_sync_s=0.0,
+                length_buckets=(64,),
+                trainer=TrainerModel(fixed_s=0.5, tokens_per_s_per_device=1e12),
+                sampler=SamplerModel(base_s=0.01, per_seq_s=0.0, per_ctx_token_s=0.0))
+  free = profile_lib.steady_state(planner.simulate(_scenario(**common)).rows)
+  stalled = profile_lib.steady_state(
+      planner.simulate(_scenario(**common, sampler_share=0.01)).rows)
+  assert free["steps_per_hour"] == pytest.approx(3600 / 0.5, rel=0.03)
+  assert stalled["steps_per_hour"] == pytest.approx(3600 / 0.7, rel=0.03)
+  assert stalled["trainer_busy_frac"] == pytest.approx(0.5 / 0.7, rel=0.03)
+  # A trainer at half speed while the (then always busy) sampler decodes: slower still.
+  slowed = profile_lib.steady_state(
+      planner.simulate(_scenario(**common, trainer_share=0.5)).rows)
+  assert slowed["steps_per_hour"] < free["steps_per_hour"] * 0.9

@@ -56,3 +56,15 @@ def test_html_report_shows_tool_use(tmp_path):
   assert "<td>heldout_tool_call_rate_final</td><td>0.9</td>" in page
   assert "<td>tool_latency_p99_s</td><td>1.25</td>" in page
   assert "tool_use.png" in page and os.path.getsize(tmp_path / "out" / "tool_use.png") > 1000
+
+
+def test_heldout_plot_alone_as_png_or_svg(tmp_path):
+  sync = _workdir(tmp_path, "sync", [[0.0, 0, 0.2], [30.0, 10, 0.5]], {"0": 40})
+  async_ = _workdir(tmp_path, "async", [[0.0, 0, 0.2], [10.0, 10, 0.5]], {"0": 10, "2": 30})
+  runs = [report.load_run(sync), report.load_run(async_)]
+  png = report.plot_heldout(runs, str(tmp_path / "docs" / "x.png"), note="speedup 3.00x")
+  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  svg = open(report.plot_heldout(runs, str(tmp_path / "x.svg"), title="default")).read()
+  assert "<svg" in svg and "sync" in svg and "async" in svg and "default" in svg
+  with pytest.raises(report.ReportError, match=r"--plot .*x\.pdf.*\.png or \.svg"):
+    report.plot_heldout(runs, str(tmp_path / "x.pdf"))

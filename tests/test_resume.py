@@ -33,7 +33,8 @@ TINY = ["--config", "configs/default.py", *TASK, "--config.rl.total_steps=5",
         "--config.checkpoint.every=1", "--config.checkpoint.keep=20",
         "--config.checkpoint.grace_period_s=20",
         # Injected failures make rewards depend on the verifier pool's call index.
-        "--config.verifier.failure_prob=0.2", "--config.verifier.retries=0"]
+        "--config.verifier.failure_prob=0.2", "--config.verifier.retries=0",
+        "--config.verifier.workers=8"]
 TIMEOUT_S = 300
 
 

@@ -4,7 +4,8 @@
   memory     per-device memory of sampler and trainer, and whether a layout fits
   simulate   discrete-event simulation of the sync / async loop (tool-using episodes
              included) -> Prediction (prediction: Prediction, diagnose)
-  queueing   its event queue and verifier server pool
+  queueing   its event queue, verifier server pool, decode segments
+  contention how much sampler and trainer slow each other (fitted from timelines)
   profile    fit the models from a pilot workdir; steady-state metrics of a run
   capacity   sweep sampler / trainer splits, reject, rank, sensitivity, validation
   render     text tables and the PNG

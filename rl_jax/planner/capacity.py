@@ -217,7 +217,9 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
       colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed),
-      turns=turns, max_live_sequences=replicas * live if turns is not None else 0)
+      turns=turns, max_live_sequences=replicas * live if turns is not None else 0,
+      sampler_share=profile.sampler_share if profile is not None else 1.0,
+      trainer_share=profile.trainer_share if profile is not None else 1.0)
 
 
 def pilot_layout(cfg) -> Layout:
@@ -434,3 +436,4 @@ def overrides(cfg, cand: Candidate) -> list[str]:
     flags += [f"--config.rl.max_staleness={cand.max_staleness}",
               f"--config.rl.max_inflight_groups={cand.max_inflight_groups}"]
   return flags
+

@@ -57,6 +57,7 @@ import statistics
 import numpy as np
 
 from rl_jax.errors import UserError
+from rl_jax.planner import contention as contention_lib
 from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, TurnModel, VerifierModel
 from rl_jax.tasks.latency import Latency
 
@@ -89,6 +90,10 @@ class Profile:
   # rl_jax.planner.capacity.load_profile calibrates by simulating the pilot.
   needs_calibration: bool = False
   turns: TurnModel | None = None  # a tool-using pilot's episodes
+  # Speed of each role while the other is busy (rl_jax.planner.contention); the
+  # sampler and trainer models above are alone speeds.
+  sampler_share: float = 1.0
+  trainer_share: float = 1.0
 
 
 def load_pilot(workdir: str, *, flag: str = "--profile", cfg=None) -> Pilot:
@@ -283,8 +288,10 @@ def fit_verifier(pilot: Pilot, notes: list[str]) -> Latency:
 
 
 def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
-                scaling_efficiency: float, notes: list[str]) -> TrainerModel:
+                scaling_efficiency: float, notes: list[str],
+                contention: contention_lib.Contention | None = None) -> TrainerModel:
   """Optimizer-step time model (module docstring)."""
+  contention = contention or contention_lib.Contention()
   from rl_jax.orchestration.policy import StalenessPolicy
   from rl_jax.trainer.buckets import pick_bucket
   cfg = pilot.cfg
@@ -303,12 +310,14 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
   prev, a, y, compile_rows = base, [], [], []
   for row in win:
     steps = row["step"] - prev["step"]
-    if "trainer/step_time_s" in row:
-      train = row["trainer/step_time_s"] * steps
-    else:
-      busy = _busy_s(row, "trainer/busy_frac") - _busy_s(prev, "trainer/busy_frac")
+    if "trainer/busy_frac" in row:
+      busy = contention.alone_busy_s(
+          "trainer", _busy_s(row, "trainer/busy_frac") - _busy_s(prev, "trainer/busy_frac"),
+          prev["time_s"], row["time_s"])
       syncs = sum(policy.publishes(k) for k in range(prev["step"] + 1, row["step"] + 1))
       train = busy - syncs * row.get("weight_sync/duration_s", 0.0)
+    else:
+      train = row.get("trainer/step_time_s", 0.0) * steps
     if "trainer/padded_tokens" in row:
       tokens = row["trainer/padded_tokens"]
     else:
@@ -349,8 +358,11 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
 
 
 def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel,
-                       replicas: int, notes: list[str]) -> SamplerModel | None:
-  """Regression on per-row decode steps; None when the pilot did not log them."""
+                       replicas: int, notes: list[str],
+                       contention: contention_lib.Contention | None = None) -> SamplerModel | None:
+  """Regression on per-row decode steps (alone seconds); None when the pilot did not
+  log them."""
+  contention = contention or contention_lib.Contention()
   base, win = window(pilot.rows)
   if "sampler/generate_calls" not in win[-1]:
     return None
@@ -359,7 +371,9 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
   prev, a, y, w = base, [], [], []
   for row in win:
     steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * spc
-    busy = _busy_s(row, "sampler/busy_frac") - _busy_s(prev, "sampler/busy_frac")
+    busy = contention.alone_busy_s(
+        "sampler", _busy_s(row, "sampler/busy_frac") - _busy_s(prev, "sampler/busy_frac"),
+        prev["time_s"], row["time_s"])
     tokens = row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
     prev = row
     if steps <= 0 or busy <= 0:
@@ -407,10 +421,13 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
   trainer_devices = sharding.mesh_devices(cfg.mesh)[1]
   lengths = fit_lengths(pilot, notes)
   verifier = fit_verifier(pilot, notes)
+  base, _ = window(pilot.rows)
+  contention = contention_lib.fit_contention(pilot.summary, base["time_s"], notes)
   trainer = fit_trainer(pilot, prompt_tokens=prompt, trainer_devices=trainer_devices,
-                        scaling_efficiency=scaling_efficiency, notes=notes)
+                        scaling_efficiency=scaling_efficiency, notes=notes,
+                        contention=contention)
   sampler = fit_sampler_direct(pilot, prompt_tokens=prompt, lengths=lengths,
-                               replicas=replicas, notes=notes)
+                               replicas=replicas, notes=notes, contention=contention)
   needs_calibration = sampler is None
   if needs_calibration:
     # A first guess for calibration: every slot busy, step = busy / (tokens / slots).
@@ -430,7 +447,9 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
   return Profile(sampler=sampler, trainer=trainer, lengths=lengths, verifier_latency=verifier,
                  weight_sync_s=float(sync_s), prompt_tokens=prompt,
                  sampler_tensor=int(cfg.mesh.sampler.get("tensor", 1)), notes=notes,
-                 needs_calibration=needs_calibration, turns=turns)
+                 needs_calibration=needs_calibration, turns=turns,
+                 sampler_share=contention.sampler_share,
+                 trainer_share=contention.trainer_share)
 
 
 def fit_turns(pilot: Pilot, notes: list[str]) -> TurnModel | None:

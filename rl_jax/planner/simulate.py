@@ -44,6 +44,10 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               tokens. A parked sequence keeps its KV pages: admission also requires
               active + waiting + parked sequences < max_live_sequences (what the KV pool
               holds; 0 = no limit beyond the slots).
+  contention  split layouts whose roles still share compute (rl_jax.planner.contention):
+              while the trainer trains or publishes, decode work progresses at
+              sampler_share of its alone speed; while the sampler decodes, train work
+              progresses at trainer_share. Both are 1 on independent devices.
 
 Per optimizer step the simulation writes a row with loop.py's metric names (time_s,
 queue/depth, staleness/mean, sampler/busy_frac, trainer/busy_frac, lengths/p50, ...),
@@ -63,7 +67,7 @@ from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.planner.models import (LengthModel, SamplerModel, TrainerModel, TurnModel,
                                    VerifierModel)
 from rl_jax.planner.prediction import Prediction, diagnose
-from rl_jax.planner.queueing import EventQueue, ServerPool
+from rl_jax.planner.queueing import EventQueue, Progress, Segment, ServerPool
 from rl_jax.trainer.buckets import pick_bucket
 
 
@@ -95,6 +99,9 @@ class Scenario:
   seed: int = 0
   turns: TurnModel | None = None  # None: single-turn rollouts
   max_live_sequences: int = 0  # sequences whose KV fits at once; 0: no limit
+  # Contention (rl_jax.planner.contention): speed of each role while the other is busy.
+  sampler_share: float = 1.0
+  trainer_share: float = 1.0
 
   @property
   def policy(self) -> StalenessPolicy:
@@ -110,37 +117,6 @@ class _Group:
   lengths: np.ndarray  # completion tokens of each rollout (observations included)
   min_version: float = math.inf
   verified: int = 0
-
-
-@dataclasses.dataclass
-class _Segment:
-  """Decode steps the sampler runs with a fixed active set, from t0."""
-  t0: float
-  prefill_s: float
-  steps: int
-  a_s: float
-  g_s: float
-  token: int
-
-  def duration(self, steps: int) -> float:
-    return self.prefill_s + steps * self.a_s + self.g_s * steps * (steps - 1) / 2
-
-  def steps_done(self, elapsed: float) -> int:
-    """Whole steps finished after `elapsed` seconds: largest j with duration(j) <= elapsed."""
-    e = elapsed - self.prefill_s
-    if e <= 0:
-      return 0
-    if self.g_s > 0:
-      half = self.g_s / 2
-      lin = self.a_s - half
-      j = int((-lin + math.sqrt(lin * lin + 4 * half * e)) / (2 * half))
-    else:
-      j = int(e / self.a_s)
-    while j > 0 and self.duration(j) > elapsed:
-      j -= 1
-    while self.duration(j + 1) <= elapsed:
-      j += 1
-    return min(j, self.steps)
 
 
 class _Sim:
@@ -168,7 +144,7 @@ class _Sim:
     self.resumed: collections.deque = collections.deque()
     self.parked = 0  # waiting for a tool call
     self.tools = ServerPool(sc.turns.tool.workers) if sc.turns is not None else None
-    self.segment: _Segment | None = None
+    self.segment: Segment | None = None
     self.token = 0
     self.held = False  # colocated: paused while the trainer runs
     self.step_waiting = False  # colocated: a full batch waits for the current decode step
@@ -189,6 +165,11 @@ class _Sim:
     self.batch: list[_Group] = []
     self.batch_staleness: list[int] = []
     self.trainer_busy = False
+    # The train step or publication in progress (alone seconds at a contention rate),
+    # what its end event is, and that event's token (older ones are stale).
+    self.job: Progress | None = None
+    self.job_end: tuple[str, object] = ("", None)
+    self.job_token = 0
     self.train_start = 0.0
     self.train_s = 0.0
     self.done = False
@@ -262,6 +243,10 @@ class _Sim:
 
   def _boundary(self, now: float, steps: int) -> None:
     """The sampler reached a call boundary after `steps` decode steps of its segment."""
+    self._sampler_boundary(now, steps)
+    self._retime(now)
+
+  def _sampler_boundary(self, now: float, steps: int) -> None:
     sc = self.sc
     self._note_change(now)
     seg, self.segment = self.segment, None
@@ -310,13 +295,11 @@ class _Sim:
       return
     n, r, m = len(self.rem), sc.sampler_replicas, sc.sampler
     a_s = m.base_s + m.per_seq_s * n / r + m.per_ctx_token_s * float(self.ctx.sum()) / r
-    self.token += 1
-    self.segment = _Segment(
+    self.segment = Segment(
         t0=now, prefill_s=m.prefill_per_token_s * sum(e[4] for e in starting) / r,
         steps=self._call_boundary(int(self.rem.min())), a_s=a_s, g_s=m.per_ctx_token_s * n / r,
-        token=self.token)
-    self.events.push(now + self.segment.duration(self.segment.steps), "sampler",
-                     (self.token, self.segment.steps))
+        token=self.token, progress=Progress(now, self._sampler_rate()))
+    self._push_segment()
 
   def _call_boundary(self, steps: int) -> int:
     """The first generate-call boundary at or after `steps` decode steps."""
@@ -336,12 +319,47 @@ class _Sim:
       return
     if not force and len(self.rem) + len(self.pending) + len(self.resumed) >= self.sc.decode_slots:
       return
-    target = min(self._call_boundary(seg.steps_done(now - seg.t0) + 1), seg.steps)
+    target = min(self._call_boundary(seg.steps_done(seg.progress.work_at(now)) + 1), seg.steps)
     if target < seg.steps:
       seg.steps = target
-      self.token += 1
-      seg.token = self.token
-      self.events.push(seg.t0 + seg.duration(target), "sampler", (self.token, target))
+      self._push_segment()
+
+  def _push_segment(self) -> None:
+    """(Re)schedules the end of the current segment; earlier events become stale."""
+    seg = self.segment
+    self.token += 1
+    seg.token = self.token
+    self.events.push(seg.progress.time_of(seg.duration(seg.steps)), "sampler",
+                     (self.token, seg.steps))
+
+  # -- contention ----------------------------------------------------------------------
+
+  def _sampler_rate(self) -> float:
+    return max(self.sc.sampler_share, 0.01) if self.job is not None else 1.0
+
+  def _trainer_rate(self) -> float:
+    return max(self.sc.trainer_share, 0.01) if self.segment is not None else 1.0
+
+  def _retime(self, now: float) -> None:
+    """After either role started or stopped: each role's speed under contention
+    (Scenario.sampler_share / trainer_share), its pending end event moved to match."""
+    seg, job = self.segment, self.job
+    if seg is not None and seg.progress.rate != self._sampler_rate():
+      seg.progress.set_rate(now, self._sampler_rate())
+      self._push_segment()
+    if job is not None and job.rate != self._trainer_rate():
+      job.set_rate(now, self._trainer_rate())
+      self._push_job()
+
+  def _start_job(self, now: float, work_s: float, kind: str, payload=None) -> None:
+    self.job = Progress(now, self._trainer_rate(), work_s=work_s)
+    self.job_end = (kind, payload)
+    self._push_job()
+    self._retime(now)
+
+  def _push_job(self) -> None:
+    self.job_token += 1
+    self.events.push(self.job.time_of(self.job.work_s), "job", self.job_token)
 
   # -- tool calls --------------------------------------------------------------------
 
@@ -438,19 +456,21 @@ class _Sim:
     if tokens not in self.shapes:  # the first step at a batch shape compiles it
       self.shapes.add(tokens)
       step_s += sc.trainer.compile_s
-    self.events.push(now + step_s, "trained")
+    self._start_job(now, step_s, "trained")
 
   def _trained(self, now: float) -> None:
     sc = self.sc
     self.step += 1
     if self.policy.publishes(self.step):
       self.version += 1
-      self.events.push(now + sc.weight_sync_s, "published", now)
+      self._start_job(now, sc.weight_sync_s, "published", now)
     else:
       self._step_done(now, published_s=0.0)
 
   def _step_done(self, now: float, published_s: float) -> None:
     self.trainer_busy = False
+    self.job = None
+    self._retime(now)
     self.trainer_busy_s += now - self.train_start
     self.train_s = now - self.train_start - published_s
     self.sync_busy_s += published_s
@@ -526,10 +546,13 @@ class _Sim:
         self._verified(now, payload)
       elif kind == "tool":
         self._tool_done(now, payload)
-      elif kind == "trained":
-        self._trained(now)
-      else:
-        self._step_done(now, published_s=now - payload)
+      elif kind == "job" and payload == self.job_token:  # a train step's or publication's end
+        kind, start = self.job_end
+        self.job = None
+        if kind == "trained":
+          self._trained(now)
+        else:
+          self._step_done(now, published_s=now - start)
     wall = now
     self._note_change(wall)
     sampler_busy = self.sampler_busy_s + (wall - self.segment.t0 if self.segment else 0.0)
