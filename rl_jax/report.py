@@ -44,6 +44,30 @@ def time_to_target(curve: Sequence[Sequence[float]], target: float) -> float | N
   return None
 
 
+def compare_headline(sync: dict, async_: dict) -> str:
+  """compare.py's headline from the two runs' summaries: time to sync's final held-out
+  reward (the mean of its last 3 evaluations) in each mode and the speedup. When async
+  never reaches it (both runs train the same number of samples, so while the curves still
+  rise a little policy lag or one noisy evaluation can keep async under it), also the
+  time each mode took to async's own final reward, a level both reached: quality versus
+  wall time at the best level the two share."""
+  target = final_reward(sync["heldout_curve"])
+  final_async = final_reward(async_["heldout_curve"])
+  t_sync = time_to_target(sync["heldout_curve"], target)
+  t_async = time_to_target(async_["heldout_curve"], target)
+  if t_async is None:
+    common = final_async
+    c_sync = time_to_target(sync["heldout_curve"], common)
+    c_async = time_to_target(async_["heldout_curve"], common)
+    return (f"async never reached sync's final held-out reward {target:.3f} (async's final "
+            f"{common:.3f}, both the mean of the last 3 evaluations); time to async's final: "
+            f"sync {c_sync:.1f}s, async {c_async:.1f}s, speedup "
+            f"{c_sync / max(c_async, 1e-9):.2f}x")
+  return (f"time to target (held-out reward {target:.3f}): sync {t_sync:.1f}s, "
+          f"async {t_async:.1f}s, speedup {t_sync / max(t_async, 1e-9):.2f}x; final held-out "
+          f"(mean of last 3 evaluations) sync {target:.3f} vs async {final_async:.3f}")
+
+
 def _series(rows, key):
   pts = [(r.get("time_s"), r.get(key)) for r in rows if r.get(key) is not None and r.get("time_s") is not None]
   if not pts:

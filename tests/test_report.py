@@ -28,6 +28,24 @@ def test_time_to_target_and_final_reward():
   assert report.final_reward(curve) == pytest.approx((0.5 + 0.4 + 0.6) / 3)
 
 
+def test_compare_headline_time_to_target_and_the_common_level():
+  sync = {"heldout_curve": [[0.0, 0, 0.2], [30.0, 10, 0.5], [60.0, 20, 0.6], [90.0, 30, 0.7]]}
+  fast = {"heldout_curve": [[0.0, 0, 0.2], [10.0, 10, 0.55], [20.0, 20, 0.62], [30.0, 30, 0.7]]}
+  line = report.compare_headline(sync, fast)
+  # target = (0.5 + 0.6 + 0.7) / 3 = 0.6: sync's first evaluation >= 0.6 at 60 s, async's at 20 s
+  assert line.startswith("time to target (held-out reward 0.600): sync 60.0s, async 20.0s, "
+                         "speedup 3.00x;")
+  assert "sync 0.600 vs async 0.623" in line
+  # Async ends under sync's final 0.6 (its last 3: 0.45, 0.5, 0.58 -> 0.51): the common
+  # level is async's final; sync first reaches 0.51 at 60 s (0.5 at 30 s is under it),
+  # async at 30 s (0.58).
+  low = {"heldout_curve": [[0.0, 0, 0.2], [10.0, 10, 0.45], [20.0, 20, 0.5], [30.0, 30, 0.58]]}
+  line = report.compare_headline(sync, low)
+  assert line == ("async never reached sync's final held-out reward 0.600 (async's final 0.510, "
+                  "both the mean of the last 3 evaluations); time to async's final: sync 60.0s, "
+                  "async 30.0s, speedup 2.00x")
+
+
 def test_html_report_from_workdirs(tmp_path):
   sync = _workdir(tmp_path, "sync", [[0.0, 0, 0.2], [30.0, 10, 0.5]], {"0": 40})
   async_ = _workdir(tmp_path, "async", [[0.0, 0, 0.2], [10.0, 10, 0.5]], {"0": 10, "2": 30})
