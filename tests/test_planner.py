@@ -549,3 +549,20 @@ def test_simulated_contention_serialises_a_stalled_sampler():
   slowed = profile_lib.steady_state(
       planner.simulate(_scenario(**common, trainer_share=0.5)).rows)
   assert slowed["steps_per_hour"] < free["steps_per_hour"] * 0.9
+
+
+@pytest.mark.parametrize("lane, finish_s", [(0, 0.10), (8, 0.13), (3, 0.10)])
+def test_prefill_lane_paces_new_prompts(lane, finish_s):
+  """8 single-sample groups of 10 tokens, prompts of 5 (4 cached), 32 slots, decode
+  step 0.01 s. No lane limit: all start at once, done at 0.10 s. A lane of 8 tokens
+  takes two prompts per pass, so the pairs start at steps 0-3 and the last is done at
+  step 13. A prompt longer than the whole lane (3) is prefilled by a call of its own
+  and does not wait. Then train (0.5 s) and publish (0.1 s)."""
+  sc = _scenario(mode="sync", groups_per_step=8, group_size=1, num_steps=1, decode_slots=32,
+                 prompt_tokens=5, prefill_lane_tokens=lane,
+                 lengths=LengthModel(kind="empirical", values=(10,), max_tokens=32),
+                 trainer=TrainerModel(fixed_s=0.5, tokens_per_s_per_device=1e15),
+                 weight_sync_s=0.1)
+  pred = planner.simulate(sc)
+  assert pred.wall_s == pytest.approx(finish_s + 0.6, abs=1e-9)
+  assert pred.sampler_busy_frac * pred.wall_s == pytest.approx(finish_s, abs=1e-9)

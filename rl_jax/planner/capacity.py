@@ -218,6 +218,8 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
       colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed),
       turns=turns, max_live_sequences=replicas * live if turns is not None else 0,
+      # Engine.prefill_lane's default: twice the longest prompt the sampler prefills
+      prefill_lane_tokens=2 * int(s.max_prefill_length),
       sampler_share=profile.sampler_share if profile is not None else 1.0,
       trainer_share=profile.trainer_share if profile is not None else 1.0)
 

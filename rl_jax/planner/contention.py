@@ -16,7 +16,16 @@ mean duration of the intervals that do not (same kind of work, no contention):
 
   share = (n * mean alone duration - sum (d - ov)) / sum ov,
 
-clipped to [0, 1]. Intervals whose part outside the overlap alone exceeds OUTLIER x the
+clipped to [0, 1]. When at least MIN_INTERVALS intervals lie wholly inside the other
+role's busy time, they alone decide: each ran at `share` throughout, so
+
+  share = mean alone duration / mean duration of those wholly inside.
+
+That needs no split of a partly overlapped interval into work done before and during
+the overlap (a call that starts just before a train step mostly waits for the device
+like one inside it, so the formula above, which counts its part outside as full-speed
+work, fits too low a share: 0.055 against 0.12 from the calls wholly inside, on the
+compute-bound config's pilot). Intervals whose part outside the overlap alone exceeds OUTLIER x the
 median alone duration (a train step that compiles a new shape) are left out. A role with fewer than MIN_INTERVALS intervals of
 either kind keeps share 1 (sync mode: the roles take turns; a compute-bound async
 trainer that always overlaps the sampler: its alone speed is unknown), as does one
@@ -110,7 +119,11 @@ def fit_share(iv: np.ndarray, other: np.ndarray) -> float | None:
   if (alone.sum() < MIN_INTERVALS or hit.sum() < MIN_INTERVALS or
       np.sum(ov) < MIN_OVERLAP_FRAC * np.sum(d)):
     return None
-  share = (hit.sum() * np.mean(d[alone]) - np.sum(d[hit] - ov[hit])) / np.sum(ov[hit])
+  inside = ov >= d - 1e-9  # wholly inside the other role's busy time
+  if inside.sum() >= MIN_INTERVALS:
+    share = np.mean(d[alone]) / np.mean(d[inside])
+  else:
+    share = (hit.sum() * np.mean(d[alone]) - np.sum(d[hit] - ov[hit])) / np.sum(ov[hit])
   return float(np.clip(share, 0.0, 1.0))
 
 

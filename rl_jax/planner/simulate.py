@@ -99,6 +99,8 @@ class Scenario:
   seed: int = 0
   turns: TurnModel | None = None  # None: single-turn rollouts
   max_live_sequences: int = 0  # sequences whose KV fits at once; 0: no limit
+  # Prompt tokens one generate call prefills (Engine.prefill_lane); 0: no limit
+  prefill_lane_tokens: int = 0
   # Contention (rl_jax.planner.contention): speed of each role while the other is busy.
   sampler_share: float = 1.0
   trainer_share: float = 1.0
@@ -117,6 +119,7 @@ class _Group:
   lengths: np.ndarray  # completion tokens of each rollout (observations included)
   min_version: float = math.inf
   verified: int = 0
+  prefilled: bool = False  # its prompt went through a pass's prefill lane
 
 
 class _Sim:
@@ -278,9 +281,20 @@ class _Sim:
       return
     self._admit(now)
     free = 0 if draining else sc.decode_slots - len(self.rem)
-    starting = []
+    starting, lane_blocked = [], False
+    lane_left = sc.prefill_lane_tokens
     for line in (self.resumed, self.pending):  # resumed sequences first (older work)
       while line and len(starting) < free:
+        group = self.groups[line[0][0]]
+        if line is self.pending and sc.prefill_lane_tokens and not group.prefilled:
+          # The generator prefills a pass's new prompts in its prefill lane; one that
+          # misses the lane waits for the next pass (first come, first served).
+          cached = max(int(sc.prompt_tokens) - 1, 0)
+          if lane_left < cached <= sc.prefill_lane_tokens:
+            lane_blocked = True
+            break
+          group.prefilled = True
+          lane_left -= cached if cached <= lane_left else 0
         starting.append(line.popleft())
     for g, *_ in starting:
       group = self.groups[g]
@@ -297,7 +311,9 @@ class _Sim:
     a_s = m.base_s + m.per_seq_s * n / r + m.per_ctx_token_s * float(self.ctx.sum()) / r
     self.segment = Segment(
         t0=now, prefill_s=m.prefill_per_token_s * sum(e[4] for e in starting) / r,
-        steps=self._call_boundary(int(self.rem.min())), a_s=a_s, g_s=m.per_ctx_token_s * n / r,
+        # a prompt waiting for the next pass's lane ends the segment after one call
+        steps=self._call_boundary(1 if lane_blocked else int(self.rem.min())), a_s=a_s,
+        g_s=m.per_ctx_token_s * n / r,
         token=self.token, progress=Progress(now, self._sampler_rate()))
     self._push_segment()
 
