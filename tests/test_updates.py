@@ -9,28 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import model
-from rl_jax import sharding as shd
 from rl_jax.sampler import engine as E
 from rl_jax.sampler import generator as G
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import updates
 
-CFG = model.get_preset("tiny_char")
-PAGE = 4
+from test_engine import params  # noqa: F401  (a fixture)
+from test_engine import make_engine as _engine
 
 
 def make_engine(**kw):
-  args = dict(mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]), max_concurrent_decodes=4,
-              page_size=PAGE, num_pages=24, max_prefill_length=8, max_new_tokens=6)
-  args.update(kw)
-  return E.Engine(CFG, **args)
-
-
-@pytest.fixture(scope="module")
-def params():
-  p = model.init_params(CFG, jax.random.key(1))
-  return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, p)
+  return _engine(**{"num_pages": 24, "max_prefill_length": 8, "max_new_tokens": 6, **kw})
 
 
 REGS = ("tokens_b", "lengths_b", "active_b", "generated_b", "max_new_b", "stop_on_eos_b",

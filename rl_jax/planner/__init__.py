@@ -2,6 +2,7 @@
 
   models     throughput / length / latency models, roofline priors, DeviceSpec
   memory     per-device memory of sampler and trainer, and whether a layout fits
+  scenario   what one simulated run is given (Scenario)
   simulate   discrete-event simulation of the sync / async loop (tool-using episodes
              included) -> Prediction (prediction: Prediction, diagnose)
   queueing   its event queue, verifier server pool, decode segments
