@@ -57,7 +57,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -111,6 +111,14 @@ class _Seq:
   run: int = 0  # bumped when the sequence parks: calls dispatched before carry void tokens
 
 
+class _Call(NamedTuple):
+  """A generate call on the device whose tokens the host has not read yet."""
+  out: Any  # packed outputs (updates.unpack_output)
+  version: int  # the weights it decodes with
+  busy: list  # [(slot, sequence, sequence.run)] of the slots it decodes
+  seqs: set  # those sequences
+
+
 class Generator(turns_lib.TurnsMixin):
   """Turns groups (prompt, G, seed) into Rollouts with continuous batching."""
 
@@ -139,7 +147,7 @@ class Generator(turns_lib.TurnsMixin):
     self._order = 0
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
-    self._inflight = None  # the generate call on the device (see _launch)
+    self._inflight: _Call | None = None  # the generate call on the device (see _launch)
     self.tokens_generated = 0
     self.rollouts_finished = 0
     self.preemptions = 0
@@ -322,9 +330,8 @@ class Generator(turns_lib.TurnsMixin):
     self.busy_s += time.perf_counter() - t0
     return finished
 
-  def _launch(self):
-    """Dispatch this pass's generate call (no wait): (packed outputs, weight version,
-    [(slot, sequence, sequence.run)] of the busy slots it decodes, the set of those sequences)."""
+  def _launch(self) -> _Call:
+    """Dispatch this pass's generate call (no wait)."""
     num_slots = self._compact()
     busy = [(b, s, s.run) for b, s in enumerate(self._slots) if s is not None]
     # Attention reads only the page-table columns the longest busy sequence reaches.
@@ -334,16 +341,15 @@ class Generator(turns_lib.TurnsMixin):
         self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
         live=self._live_pages())
     self.generate_calls += 1
-    return out, self._version, busy, {s for _, s, _ in busy}
+    return _Call(out, self._version, busy, {s for _, s, _ in busy})
 
   def _collect(self) -> list[Rollout]:
     """Wait for the call in flight (if any) and take in its tokens."""
     if self._inflight is None:
       return []
-    out, version, busy, _ = self._inflight
-    self._inflight = None
-    return self._consume(updates.unpack_output(np.asarray(out), self.engine.steps_per_call),
-                         version, busy)
+    call, self._inflight = self._inflight, None
+    return self._consume(updates.unpack_output(np.asarray(call.out), self.engine.steps_per_call),
+                         call.version, call.busy)
 
   def _fill_slots(self) -> None:
     """Start resuming sequences, then waiting samples, in free slots, oldest group first."""
@@ -431,7 +437,7 @@ class Generator(turns_lib.TurnsMixin):
   def _call_positions(self, seq: _Seq) -> int:
     """Positions `seq`'s cache may hold after the next generate call (and the call in
     flight, whose tokens the host has not seen yet)."""
-    calls = 1 + (self._inflight is not None and seq in self._inflight[3])
+    calls = 1 + (self._inflight is not None and seq in self._inflight.seqs)
     return min(seq.length + calls * self.engine.steps_per_call, seq.cache_limit)
 
   def _live_pages(self):
