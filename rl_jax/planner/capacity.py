@@ -205,6 +205,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
   trainer_dp = max(layout.trainer_devices // t_t, 1)
   if turns is None and profile is not None:
     turns = profile.turns
+  from rl_jax.sampler import prefill_lane  # the generator's lane paces new prompts
   return Scenario(
       mode=rl.mode, groups_per_step=int(rl.groups_per_step), group_size=int(rl.group_size),
       max_staleness=int(staleness), max_inflight_groups=int(inflight),
@@ -218,8 +219,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
       colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed),
       turns=turns, max_live_sequences=replicas * live if turns is not None else 0,
-      # Engine.prefill_lane's default: twice the longest prompt the sampler prefills
-      prefill_lane_tokens=2 * int(s.max_prefill_length),
+      prefill_lane_tokens=prefill_lane.default_tokens(s.max_prefill_length),
       sampler_share=profile.sampler_share if profile is not None else 1.0,
       trainer_share=profile.trainer_share if profile is not None else 1.0)
 
@@ -438,4 +438,3 @@ def overrides(cfg, cand: Candidate) -> list[str]:
     flags += [f"--config.rl.max_staleness={cand.max_staleness}",
               f"--config.rl.max_inflight_groups={cand.max_inflight_groups}"]
   return flags
-

@@ -48,6 +48,7 @@ from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.sampler import decode, extend
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import prefill_lane as prefill_lane_lib
 from rl_jax.sampler import updates
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
                                    DecodeState, StepOutput, sample_tokens)  # (re-exported)
@@ -213,7 +214,8 @@ class Engine:
     self.max_new_tokens = int(max_new_tokens)
     self.steps_per_call = int(steps_per_call)
     # Prompt tokens the fused generate call can prefill (prefill_lane.py).
-    self.prefill_lane = int(2 * self._max_prefill_length if prefill_lane is None else prefill_lane)
+    self.prefill_lane = int(prefill_lane_lib.default_tokens(self._max_prefill_length)
+                            if prefill_lane is None else prefill_lane)
     self.max_seq_len = self._max_prefill_length + self.max_new_tokens
     self.pages_per_seq = pt.pages_for(self.max_seq_len, self.page_size)
     self.kv_dtype = jnp.dtype(dtype)

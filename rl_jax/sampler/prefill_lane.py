@@ -28,6 +28,11 @@ from rl_jax.sampler import page_table as pt
 FIELDS = 4  # token, position, segment, page
 
 
+def default_tokens(max_prefill_length: int) -> int:
+  """Engine.prefill_lane when not given: room for two of the longest prompts."""
+  return 2 * int(max_prefill_length)
+
+
 class Lane(NamedTuple):
   """A packed lane (int32 [L] each); from `pack`, or traced from a packed vector."""
   token_L: jax.Array | np.ndarray
