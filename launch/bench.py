@@ -3,7 +3,8 @@
   python launch/bench.py train [--preset tiny_char] [--seq 256] [--batch 16] [--steps 10]
   python launch/bench.py sampler [--preset tiny_char] [--requests 1024] [--median 12]
   python launch/bench.py suite [--preset qwen2_0_5b] [--small] [--skip e2e,...]
-                               [--aot | --aot-only] [--out results.json]
+                               [--aot | --aot-only] [--cost | --cost-only]
+                               [--cost-presets qwen2_0_5b,llama3_1b] [--out results.json]
 
 train and sampler print one JSON line (for tools) and a small table (for people); suite
 writes its JSON to --out and prints its table last (see notes/PERFORMANCE.md).
@@ -70,7 +71,8 @@ def sampler(args):
 
 
 def suite(args):
-  """Decode, prefill, train, weight sync, plain-JAX anchor, e2e and AOT memory on one device."""
+  """Decode, prefill, train, weight sync, plain-JAX anchor, e2e, AOT memory and XLA cost on
+  one device."""
   try:
     from rl_jax.bench import suite as suite_lib
   except ImportError as e:

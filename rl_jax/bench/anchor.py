@@ -4,7 +4,8 @@ ratios compare like with like on the same device.
 The anchor is rl_jax/bench/reference.py (in the repository), or any script given with
 `--anchor PATH` that keeps the same contract (e.g. an external gpu_anchor.py). An anchor
 is a script: its shapes are module constants (V, D, L, H, KVH, HD, F,
-BATCHES, CTX, PAGE, TRAIN_B, TRAIN_T), its BW / PEAK constants normalise its roofline
+BATCHES, CTX, PAGE, TRAIN_B, TRAIN_T; and STEPS, TIE, DTYPE where it defines them),
+its BW / PEAK constants normalise its roofline
 and MFU columns, and its last statement is a bare `main()` call that writes
 `$OUT/anchor.json` when OUT is set. Loading it here drops that bare call, sets the
 constants to the model preset and the suite's sizes (and BW / PEAK to this run's
@@ -18,6 +19,8 @@ import json
 import os
 import tempfile
 import types
+
+import jax.numpy as jnp
 
 REQUIRED = ("main", "V", "D", "L", "H", "KVH", "HD", "F", "BATCHES", "CTX", "PAGE",
             "TRAIN_B", "TRAIN_T", "BW", "PEAK")
@@ -61,21 +64,33 @@ def _env(name: str, value: str):
       os.environ[name] = old
 
 
-def run(path: str, model_cfg, sizes, *, copy_gbps: float | None,
-        peak_tflops: float | None) -> dict:
-  """{"path", "nparam", "rows"} from the anchor's main() at this run's shapes."""
-  module = load(path)
+def configure(module, model_cfg, sizes, *, dtype: str | None = None,
+              copy_gbps: float | None = None, peak_tflops: float | None = None) -> None:
+  """Sets an anchor module's constants to the model preset and the suite's sizes; the
+  optional ones (STEPS: rl_jax's steps per call, TIE, DTYPE) only where it defines them."""
   c = model_cfg
   shapes = dict(V=c.vocab_size, D=c.hidden_size, L=c.num_layers, H=c.num_heads,
                 KVH=c.num_kv_heads, HD=c.head_dim, F=c.intermediate_size,
                 BATCHES=list(sizes.decode_batches), CTX=sizes.ctx, PAGE=sizes.page_size,
                 TRAIN_B=sizes.train_batch, TRAIN_T=sizes.train_seq)
+  optional = dict(STEPS=sizes.steps_per_call, TIE=c.tie_embeddings)
+  if dtype:
+    optional["DTYPE"] = jnp.dtype(dtype).type
+  shapes.update({k: v for k, v in optional.items() if k in module.__dict__})
   if copy_gbps:
     shapes["BW"] = copy_gbps * 1e9
   if peak_tflops:
     shapes["PEAK"] = peak_tflops * 1e12
   for name, value in shapes.items():
     setattr(module, name, value)
+
+
+def run(path: str, model_cfg, sizes, *, dtype: str | None = None, copy_gbps: float | None,
+        peak_tflops: float | None) -> dict:
+  """{"path", "nparam", "rows"} from the anchor's main() at this run's shapes."""
+  module = load(path)
+  configure(module, model_cfg, sizes, dtype=dtype, copy_gbps=copy_gbps,
+            peak_tflops=peak_tflops)
   with tempfile.TemporaryDirectory() as out, _env("OUT", out):
     module.main()
     with open(os.path.join(out, "anchor.json")) as f:
@@ -84,8 +99,8 @@ def run(path: str, model_cfg, sizes, *, copy_gbps: float | None,
               bw_gbps=module.BW / 1e9, peak_tflops=module.PEAK / 1e12)
 
 
-# The anchor's train-step row: today's bf16 + cuDNN step, or the first anchor's fp32 one.
-TRAIN_KINDS = ("train-step-bf16-cudnn-attn", "train-step-fp32-params")
+# The anchor's train-step row: reference.py's, gpu_anchor.py's, or the first anchor's.
+TRAIN_KINDS = ("train-step-bf16", "train-step-bf16-cudnn-attn", "train-step-fp32-params")
 
 
 def train_row(anchor: dict) -> dict | None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-# Run order. aot is opt-in (--aot, --aot-only): it only compiles, and an accelerator
-# run compiles the same programs anyway; it goes first so a program that cannot fit is
-# reported before anything runs.
-SECTIONS = ("aot", "probes", "decode", "decode_tail", "prefill", "train", "sync", "anchor",
-            "e2e")
+# Run order. cost and aot are opt-in (--cost / --cost-only, --aot / --aot-only): they
+# only compile, which an accelerator's time is too dear for unless asked; they go first
+# so a program that cannot fit is reported before anything runs.
+SECTIONS = ("cost", "aot", "probes", "decode", "decode_tail", "prefill", "train", "sync",
+            "anchor", "e2e")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,14 @@ def add_suite_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--aot", action="store_true",
                  help="also compile the accelerator-shaped programs and report their memory")
   p.add_argument("--aot-only", action="store_true", help="only the aot section")
+  p.add_argument("--cost", action="store_true",
+                 help="also report XLA's bytes and FLOPs per decode step (compile only)")
+  p.add_argument("--cost-only", action="store_true", help="only the cost section")
+  p.add_argument("--cost-presets", default="qwen2_0_5b,llama3_1b",
+                 help="cost section: comma-separated model presets")
+  p.add_argument("--cost-dtype", default="float32",
+                 help="cost section: decode weights / KV dtype (float32: XLA:CPU compiles "
+                      "bf16 with f32 copies, which would count as bytes)")
   p.add_argument("--out", default="", help="write the results as JSON here")
   p.add_argument("--dtype", default="bfloat16",
                  help="sampler weights / KV and trainer compute dtype (master params stay fp32)")
@@ -113,13 +121,14 @@ def sizes_from_args(args: argparse.Namespace) -> Sizes:
 def sections_from_args(args: argparse.Namespace) -> dict[str, str]:
   """{section: "" to run it, else why it is skipped}, in run order."""
   why = {}
+  only = [s for s in ("aot", "cost") if getattr(args, f"{s}_only")]
   for s in SECTIONS:
-    if args.aot_only:
-      why[s] = "" if s == "aot" else "--aot-only"
+    if only:
+      why[s] = "" if s in only else ", ".join(f"--{o}-only" for o in only)
     elif s in args.skip:
       why[s] = "--skip"
-    elif s == "aot" and not args.aot:
-      why[s] = "opt-in: --aot"
+    elif s in ("aot", "cost") and not getattr(args, s):
+      why[s] = f"opt-in: --{s}"
     else:
       why[s] = ""
   return why

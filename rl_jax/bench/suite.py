@@ -25,6 +25,7 @@ import rl_jax
 from rl_jax import model
 from rl_jax.bench import anchor as anchor_lib
 from rl_jax.bench import aot as aot_lib
+from rl_jax.bench import cost as cost_lib
 from rl_jax.bench import e2e as e2e_lib
 from rl_jax.bench import measure
 from rl_jax.bench import options
@@ -54,6 +55,12 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     if section == last_weights_user:
       shared.clear()
     return weights
+
+  def cost():
+    cfgs = {p: model.get_preset(p).replace(attention=args.attention)
+            for p in args.cost_presets.split(",") if p}
+    return cost_lib.run(cfgs, sizes, dtype=args.cost_dtype, train_dtype=args.dtype,
+                        remat=args.remat, logprob_chunk=args.logprob_chunk)
 
   def aot():
     return aot_lib.run(model_cfg, sizes, dtype=args.dtype, remat=args.remat,
@@ -101,7 +108,7 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     path = anchor_lib.find(args.anchor)
     if path is None:
       raise Skip(f"--anchor {args.anchor} not found")
-    out = anchor_lib.run(path, model_cfg, sizes, copy_gbps=probes().get("copy_gbps"),
+    out = anchor_lib.run(path, model_cfg, sizes, dtype=args.dtype, copy_gbps=probes().get("copy_gbps"),
                          peak_tflops=probes().get("matmul_tflops"))
     out["ratios"] = anchor_lib.ratios(out, res)
     return out
@@ -116,7 +123,7 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_jax_bench_e2e_")
     return e2e_lib.run(config, workdir, preset=args.preset, dtype=args.dtype, sizes=sizes)
 
-  return dict(aot=aot, probes=probe, decode=decode, decode_tail=decode_tail, prefill=prefill,
+  return dict(cost=cost, aot=aot, probes=probe, decode=decode, decode_tail=decode_tail, prefill=prefill,
               train=train, sync=sync, anchor=anchor, e2e=e2e)
 
 
@@ -277,7 +284,8 @@ def format_table(res: dict) -> str:
   line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
   title = (f"rl_jax suite: {res['preset']} ({res['params'] / 1e6:.1f}M params, {res['dtype']}) "
            f"on {res['device']} [{res['backend']}], jax {res['jax']}")
-  lines = [title, line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in body]
+  lines = [cost_lib.format_table(res["cost"]), ""] if res.get("cost") else []
+  lines += [title, line(head), line(tuple("-" * w for w in widths))] + [line(r) for r in body]
   if res["device_peak_bytes"]:
     lines.append("device peak GiB after: " + ", ".join(
         f"{k} {v / 2 ** 30:.1f}" for k, v in res["device_peak_bytes"].items()))
