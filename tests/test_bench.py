@@ -2,6 +2,7 @@
 anchor loader, the e2e config, AOT memory without allocation, and the benchmark import
 path with grain / ml_collections / TensorFlow / JetStream unavailable."""
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -211,3 +212,91 @@ def test_reference_train_step_is_the_policy_gradient_with_a_chunked_head(monkeyp
   g = jax.grad(surrogate)(w)
   for a, mm in zip(jax.tree.leaves(g), jax.tree.leaves(m)):
     np.testing.assert_allclose(mm, 0.1 * np.asarray(a), rtol=1e-4, atol=1e-7)  # Adam's m
+
+
+def test_cost_control_flow_and_bytes_of_trivial_programs():
+  """The HLO reading on programs whose cost is known by hand: y = x + 1 over 1024 f32
+  reads 4 KiB and writes 4 KiB; a fori_loop of 7 trips is found with its trip count and
+  carried state (s32 counter + the f32[1024]), and its body counted once."""
+  import jax
+  import jax.numpy as jnp
+  from rl_jax.bench import cost
+  x = jax.ShapeDtypeStruct((1024,), jnp.float32)
+  add = cost.analyse(jax.jit(lambda x: x + 1).lower(x).compile())
+  assert add["bytes"] == 2 * 4096 and add["flops"] == 1024 and add["control_flow"] == []
+
+  def loop(x, n):
+    return jax.lax.fori_loop(0, 7, lambda i, y: jnp.sin(y) * n, x)
+  looped = cost.analyse(jax.jit(loop).lower(x, jax.ShapeDtypeStruct((), jnp.float32)).compile())
+  (w,) = [c for c in looped["control_flow"] if c["op"] == "while"]
+  assert w["trip_count"] == 7 and w["source"] == "loop"
+  assert w["carried_bytes"] >= 4 + 4096
+  assert looped["flops"] < 7 * 1024  # the body's sin and mul are counted once, not 7 times
+
+
+def test_cost_section_small_against_independent_counts():
+  """The cost rows at tiny shapes: the floor is the weight count of an independently
+  built parameter tree plus B x ctx x (2 L KVH HD 4) bytes, recomputed in NumPy; every
+  ratio is the quotient of the rows' own bytes; the reference steps read at least the
+  floor and the paged one moves more than the dense one (its gather); rl_jax's rows
+  exist for every attention option this CPU can compile."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from rl_jax.bench import cost
+  cfg = model.get_preset("tiny_char")
+  sizes = dataclasses.replace(options.SMALL, decode_batches=(4,), ctx=32, page_size=8)
+  rows = {r["program"]: r for r in cost.decode_rows(cfg, batch=4, sizes=sizes,
+                                                     dtype="float32")}
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+  weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) * 4
+  kv = 4 * 32 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+  fl = rows["floor"]
+  assert (fl["weight_bytes"], fl["kv_bytes"], fl["bytes"]) == (weights, kv, weights + kv)
+  dense, paged = rows["reference dense"]["bytes"], rows["reference paged"]["bytes"]
+  assert fl["bytes"] <= dense < paged
+  for r in rows.values():
+    if "bytes" in r:
+      np.testing.assert_allclose([r["over_paged"], r["over_dense"], r["over_floor"]],
+                                 [r["bytes"] / paged, r["bytes"] / dense, r["bytes"] / fl["bytes"]])
+  assert rows["reference paged"]["over_paged"] == 1.0
+  for name in ("rl_jax generate jnp", "rl_jax generate ragged", "rl_jax fused, no lane",
+               "rl_jax fused + lane 32"):
+    assert rows[name]["bytes"] > fl["bytes"] and rows[name]["flops"] > 0, name
+  assert rows["rl_jax fused + lane 32"]["flops"] > rows["rl_jax fused, no lane"]["flops"]
+  assert "error" in rows["rl_jax generate pallas_tpu"]  # a TPU kernel, off TPU
+
+
+def test_cost_train_rows_from_train_cost_or_a_skip_note(monkeypatch):
+  """Until rl_jax.bench.train_cost exists the train row is a skip note; with it, the
+  row is its dict and the table prints it."""
+  import sys
+  import types
+  from rl_jax.bench import cost
+  cfg = model.get_preset("tiny_char")
+  monkeypatch.setitem(sys.modules, "rl_jax.bench.train_cost", None)
+  assert cost.train_row(cfg, options.SMALL, dtype="bfloat16", remat="dots",
+                        logprob_chunk=16) == dict(skipped="train rows need rl_jax.bench.train_cost")
+  seen = {}
+
+  def train_step_matmul(model_cfg, **kw):
+    seen.update(kw, cfg=model_cfg)
+    return dict(total_tflop=2.0, bf16_tflop=1.5, f32_operand_tflop=0.5, needed_tflop=1.6,
+                ratio_to_needed=1.25, bf16_share=0.75)
+  monkeypatch.setitem(sys.modules, "rl_jax.bench.train_cost",
+                      types.SimpleNamespace(train_step_matmul=train_step_matmul))
+  row = cost.train_row(cfg, options.SMALL, dtype="bfloat16", remat="dots", logprob_chunk=16)
+  assert seen == dict(cfg=cfg, batch=options.SMALL.train_batch, seq=options.SMALL.train_seq,
+                      dtype="bfloat16", remat="dots",
+                      micro_batch=options.SMALL.train_micro_batch, logprob_chunk=16)
+  table = cost.format_table(dict(dtype="float32", backend="cpu", decode=[],
+                                 train={"tiny_char": row}))
+  assert "total 2.00, both bf16 1.50 (75%), an f32 operand 0.50" in table
+
+
+def test_cost_section_is_opt_in():
+  assert options.sections_from_args(_args())["cost"] == "opt-in: --cost"
+  assert options.sections_from_args(_args("--cost"))["cost"] == ""
+  only = options.sections_from_args(_args("--cost-only"))
+  assert [s for s, why in only.items() if not why] == ["cost"]
+  assert only["decode"] == "--cost-only"

@@ -81,13 +81,17 @@ def control_flow(hlo_text: str) -> list[dict]:
   return out
 
 
-def analyse(compiled) -> dict:
-  """{bytes, flops, control_flow} of a compiled program (one device)."""
+def analyse(compiled, name: str = "") -> dict:
+  """{bytes, flops, control_flow} of a compiled program (one device); printed when named."""
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returned one dict per device
     cost = cost[0]
-  return dict(bytes=float(cost["bytes accessed"]), flops=float(cost.get("flops", 0.0)),
+  out = dict(bytes=float(cost["bytes accessed"]), flops=float(cost.get("flops", 0.0)),
               control_flow=control_flow(compiled.as_text()))
+  if name:
+    print(f"[cost] {name}: {out['bytes'] / 1e9:,.4g} GB, {out['flops'] / 1e9:,.4g} GFLOP",
+          flush=True)
+  return out
 
 
 def floor(model_cfg, *, batch: int, ctx: int, dtype: str) -> dict:
@@ -122,7 +126,7 @@ def _engine_programs(model_cfg, mesh, *, batch, sizes, dtype, attention, fused):
   return out
 
 
-def rl_jax_programs(model_cfg, *, batch: int, sizes, dtype: str) -> dict:
+def rl_jax_programs(model_cfg, *, batch: int, sizes, dtype: str, tag: str = "") -> dict:
   """{program name: analyse(...) or {"error"}} for every sampler.attention option and,
   with the default one, the fused pass with and without the prefill lane."""
   mesh = measure.one_device_mesh()
@@ -137,7 +141,7 @@ def rl_jax_programs(model_cfg, *, batch: int, sizes, dtype: str) -> dict:
       continue
     for name, lower in programs:
       try:
-        out[name] = analyse(lower().compile())
+        out[name] = analyse(lower().compile(), f"{tag}{name}")
       except Exception as e:  # noqa: BLE001  (e.g. a TPU kernel off TPU)
         out[name] = dict(error=_first_line(e))
   return out
@@ -150,17 +154,18 @@ def reference_module(model_cfg, sizes, dtype: str):
   return module
 
 
-def reference_programs(model_cfg, *, batch: int, sizes, dtype: str) -> dict:
+def reference_programs(model_cfg, *, batch: int, sizes, dtype: str, tag: str = "") -> dict:
   ref = reference_module(model_cfg, sizes, dtype)
-  return {name: analyse(ref.decoder(kind, 1).lower(*ref.abstract_inputs(kind, batch)).compile())
-          for name, kind in REFERENCE.items()}
+  lower = lambda kind: ref.decoder(kind, 1).lower(*ref.abstract_inputs(kind, batch))
+  return {name: analyse(lower(kind).compile(), f"{tag}{name}") for name, kind in REFERENCE.items()}
 
 
-def decode_rows(model_cfg, *, batch: int, sizes, dtype: str) -> list[dict]:
-  """One row per program (the floor first) with bytes / flops and the three ratios."""
+def decode_rows(model_cfg, *, batch: int, sizes, dtype: str, tag: str = "") -> list[dict]:
+  """One row per program (the floor first) with bytes / flops and the three ratios;
+  `tag` prefixes the progress lines."""
   fl = floor(model_cfg, batch=batch, ctx=sizes.ctx, dtype=dtype)
-  programs = dict(rl_jax_programs(model_cfg, batch=batch, sizes=sizes, dtype=dtype),
-                  **reference_programs(model_cfg, batch=batch, sizes=sizes, dtype=dtype))
+  kw = dict(batch=batch, sizes=sizes, dtype=dtype, tag=tag)
+  programs = dict(rl_jax_programs(model_cfg, **kw), **reference_programs(model_cfg, **kw))
   paged = programs["reference paged"]["bytes"]
   dense = programs["reference dense"]["bytes"]
   rows = [dict(program="floor", bytes=float(fl["bytes"]), weight_bytes=fl["weight_bytes"],
@@ -198,7 +203,8 @@ def run(model_cfgs: dict, sizes, *, dtype: str, train_dtype: str, remat: str,
   for preset, cfg in model_cfgs.items():
     for b in sizes.decode_batches:
       out["decode"] += [dict(preset=preset, **r)
-                        for r in decode_rows(cfg, batch=b, sizes=sizes, dtype=dtype)]
+                        for r in decode_rows(cfg, batch=b, sizes=sizes, dtype=dtype,
+                                             tag=f"{preset} B={b} ")]
     out["train"][preset] = train_row(cfg, sizes, dtype=train_dtype, remat=remat,
                                      logprob_chunk=logprob_chunk)
   return out

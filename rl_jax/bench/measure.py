@@ -158,7 +158,7 @@ def decode(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
   kv_bytes = batch * mean_len * kv_bytes_per_token(model_cfg, dtype)
   bytes_step = weight_bytes + kv_bytes
   row = dict(batch=batch, ctx=ctx, page_size=page_size, steps_per_call=steps_per_call,
-             step_ms=1e3 * step_s, tokens_per_s=batch / step_s, weight_bytes=weight_bytes,
+             attention=engine.attention, step_ms=1e3 * step_s, tokens_per_s=batch / step_s, weight_bytes=weight_bytes,
              kv_bytes_per_step=int(kv_bytes), bytes_per_step=int(bytes_step))
   if ref_gbps:
     row["ref_floor_ms"] = 1e3 * bytes_step / (ref_gbps * 1e9)

@@ -108,7 +108,8 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     path = anchor_lib.find(args.anchor)
     if path is None:
       raise Skip(f"--anchor {args.anchor} not found")
-    out = anchor_lib.run(path, model_cfg, sizes, dtype=args.dtype, copy_gbps=probes().get("copy_gbps"),
+    out = anchor_lib.run(path, model_cfg, sizes, dtype=args.dtype,
+                         copy_gbps=probes().get("copy_gbps"),
                          peak_tflops=probes().get("matmul_tflops"))
     out["ratios"] = anchor_lib.ratios(out, res)
     return out
@@ -123,8 +124,8 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_jax_bench_e2e_")
     return e2e_lib.run(config, workdir, preset=args.preset, dtype=args.dtype, sizes=sizes)
 
-  return dict(cost=cost, aot=aot, probes=probe, decode=decode, decode_tail=decode_tail, prefill=prefill,
-              train=train, sync=sync, anchor=anchor, e2e=e2e)
+  return dict(cost=cost, aot=aot, probes=probe, decode=decode, decode_tail=decode_tail,
+              prefill=prefill, train=train, sync=sync, anchor=anchor, e2e=e2e)
 
 
 def run(args) -> dict:
@@ -191,6 +192,12 @@ def _same_work(frac, ms, plain_ms):
   return frac * ms / plain_ms
 
 
+def _kernels(*anchor_rows) -> str | None:
+  """The attention kernels anchor rows record having run ("xla", "cudnn"), "/"-joined."""
+  names = [r.get("attention", "?") for r in anchor_rows if r]
+  return " / ".join(names) if names else None
+
+
 def table_rows(res: dict) -> list[tuple]:
   """(section, measure, rl_jax, plain JAX, rl_jax / plain, target) rows."""
   rows = []
@@ -222,6 +229,8 @@ def table_rows(res: dict) -> list[tuple]:
     rows.append(("decode", f"{tag} tokens/s (plain: paged)", d["tokens_per_s"],
                  paged.get("tok_s"), ratios.get(f"decode_b{b}_over_paged"), at_least_plain))
     rows.append(("decode", f"{tag} step ms", d["step_ms"], dense.get("step_ms"), None, ""))
+    rows.append(("decode", f"{tag} attention kernel (plain: dense / paged)", d["attention"],
+                 _kernels(dense, paged), None, ""))
     rows.append(("decode", f"{tag} roofline frac (plain: dense)", d.get("roofline_frac"),
                  _same_work(d.get("roofline_frac"), d["step_ms"], dense.get("step_ms")), None,
                  roof if b >= 256 else f"({roof} at B=256)"))
@@ -247,6 +256,8 @@ def table_rows(res: dict) -> list[tuple]:
     rows.append(("train", f"{tag} tokens/s", tr["tokens_per_s"], tref.get("tok_s"),
                  ratios.get("train_over_anchor"), at_least_plain))
     rows.append(("train", f"{tag} step ms", tr["step_ms_p50"], tref.get("step_ms"), None, ""))
+    rows.append(("train", f"{tag} attention kernel", tr.get("attention"), _kernels(tref), None,
+                 tref.get("attention_note", "")))
     rows.append(("train", f"{tag} MFU (measured peak)", tr.get("mfu"),
                  _same_work(tr.get("mfu"), tr["step_ms_p50"], tref.get("step_ms")), None,
                  f">= {TARGETS['train_mfu']}"))
