@@ -47,7 +47,7 @@ def test_suite_small_sections(tmp_path, capsys):
   assert gather["pages_read_frac"] <= ragged["pages_read_frac"] <= 1
   (row,) = res["decode"]
   assert row["batch"] == 4 and row["tokens_per_s"] > 0
-  assert 0 < row["roofline_frac"] <= 1.5
+  assert 0 < row["roofline_frac"] and math.isfinite(row["roofline_frac"])  # timing: no bound
   assert row["bytes_per_step"] > row["weight_bytes"] > 0
   sync = res["sync"]
   assert sync["sampler_bytes"] * 2 == sync["master_bytes"]  # fp32 -> bf16
@@ -231,7 +231,7 @@ def test_cost_control_flow_and_bytes_of_trivial_programs():
   (w,) = [c for c in looped["control_flow"] if c["op"] == "while"]
   assert w["trip_count"] == 7 and w["source"] == "loop"
   assert w["carried_bytes"] >= 4 + 4096
-  assert looped["flops"] < 7 * 1024  # the body's sin and mul are counted once, not 7 times
+  assert 1024 <= looped["flops"] < 2 * 1024  # the body's 1024 multiplies once, not 7 times
 
 
 def test_cost_section_small_against_independent_counts():
@@ -265,6 +265,11 @@ def test_cost_section_small_against_independent_counts():
     assert rows[name]["bytes"] > fl["bytes"] and rows[name]["flops"] > 0, name
   assert rows["rl_jax fused + lane 32"]["flops"] > rows["rl_jax fused, no lane"]["flops"]
   assert "error" in rows["rl_jax generate pallas_tpu"]  # a TPU kernel, off TPU
+  table = cost.format_table(dict(dtype="float32", backend="cpu", train={},
+                                 decode=[dict(r, preset="tiny_char") for r in rows.values()]))
+  own = rows["rl_jax fused + lane 32"]["bytes"] - rows["rl_jax fused, no lane"]["bytes"]
+  assert (f"lane 32: own bytes (with - without) {own / 1e9:,.4g} GB = "
+          f"{own / (8 * rows['rl_jax generate jnp']['bytes']):.3f} x 8 steps") in table
 
 
 def test_cost_train_rows_from_train_cost_or_a_skip_note(monkeypatch):
