@@ -15,7 +15,8 @@ suite's shapes:
   decode-paged-gather   the same step over per-layer page pools [KVH, pages, PAGE, HD]
                         (rl_jax's layout) read through a page table: pool[:, table]
                         gathers [KVH, B, CTX, HD] per layer, then the same attention
-  train-step-bf16       a GRPO-shaped update: fp32 master params cast to DTYPE, forward
+  train-step-bf16       a GRPO-shaped update: fp32 master params cast to DTYPE (bf16
+                        unless the suite runs another dtype; the row says), forward
                         over [TRAIN_B, TRAIN_T] (layers rematerialised) with
                         jax.nn.dot_product_attention (cuDNN flash attention on GPU, XLA
                         elsewhere; the row's "attention" says which ran), token log-probs
@@ -316,7 +317,8 @@ def _train_row(nparam):
   t = _median_s(call)
   ntok = TRAIN_B * TRAIN_T
   flops = 6 * nparam * ntok + 6 * L * H * HD * TRAIN_T * ntok  # matmuls + attention, fwd+bwd
-  row = dict(kind="train-step-bf16", B=TRAIN_B, T=TRAIN_T, attention=impl,
+  row = dict(kind="train-step-bf16", B=TRAIN_B, T=TRAIN_T, dtype=jnp.dtype(DTYPE).name,
+             attention=impl,
              head_chunk=min(HEAD_CHUNK, TRAIN_T), step_ms=t * 1e3, tok_s=ntok / t,
              mfu=flops / t / PEAK)
   if note:
