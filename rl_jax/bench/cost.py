@@ -40,7 +40,6 @@ from rl_jax.bench import anchor as anchor_lib
 from rl_jax.bench import measure
 from rl_jax.sampler import decode as decode_lib
 
-PRESETS = ("qwen2_0_5b", "llama3_1b")
 REFERENCE = {"reference dense": "decode-dense", "reference paged": "decode-paged-gather"}
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
              "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -84,10 +83,8 @@ def control_flow(hlo_text: str) -> list[dict]:
 def analyse(compiled, name: str = "") -> dict:
   """{bytes, flops, control_flow} of a compiled program (one device); printed when named."""
   cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # jax < 0.4.30 returned one dict per device
-    cost = cost[0]
   out = dict(bytes=float(cost["bytes accessed"]), flops=float(cost.get("flops", 0.0)),
-              control_flow=control_flow(compiled.as_text()))
+             control_flow=control_flow(compiled.as_text()))
   if name:
     print(f"[cost] {name}: {out['bytes'] / 1e9:,.4g} GB, {out['flops'] / 1e9:,.4g} GFLOP",
           flush=True)

@@ -39,6 +39,20 @@ class Skip(Exception):
   """A section that cannot run here; the message says why (recorded, not an error)."""
 
 
+def _compile_only_fns(args, sizes, model_cfg):
+  """The sections that only compile: cost (its own presets) and aot."""
+  def cost():
+    cfgs = {p: model.get_preset(p).replace(attention=args.attention)
+            for p in args.cost_presets.split(",") if p}
+    return cost_lib.run(cfgs, sizes, dtype=args.cost_dtype, train_dtype=args.dtype,
+                        remat=args.remat, logprob_chunk=args.logprob_chunk)
+
+  def aot():
+    return aot_lib.run(model_cfg, sizes, dtype=args.dtype, remat=args.remat,
+                       device_gib=args.device_gib, logprob_chunk_len=args.logprob_chunk)
+  return dict(cost=cost, aot=aot)
+
+
 def _section_fns(args, sizes, model_cfg, res, sections):
   """name -> function filling res[name]; later sections read earlier results."""
   mesh = measure.one_device_mesh()
@@ -55,16 +69,6 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     if section == last_weights_user:
       shared.clear()
     return weights
-
-  def cost():
-    cfgs = {p: model.get_preset(p).replace(attention=args.attention)
-            for p in args.cost_presets.split(",") if p}
-    return cost_lib.run(cfgs, sizes, dtype=args.cost_dtype, train_dtype=args.dtype,
-                        remat=args.remat, logprob_chunk=args.logprob_chunk)
-
-  def aot():
-    return aot_lib.run(model_cfg, sizes, dtype=args.dtype, remat=args.remat,
-                       device_gib=args.device_gib, logprob_chunk_len=args.logprob_chunk)
 
   def probe():
     return dict(measure.copy_bandwidth(nbytes=sizes.copy_mib * 2 ** 20, repeats=sizes.repeats),
@@ -124,8 +128,9 @@ def _section_fns(args, sizes, model_cfg, res, sections):
     workdir = args.workdir or tempfile.mkdtemp(prefix="rl_jax_bench_e2e_")
     return e2e_lib.run(config, workdir, preset=args.preset, dtype=args.dtype, sizes=sizes)
 
-  return dict(cost=cost, aot=aot, probes=probe, decode=decode, decode_tail=decode_tail,
-              prefill=prefill, train=train, sync=sync, anchor=anchor, e2e=e2e)
+  return dict(_compile_only_fns(args, sizes, model_cfg), probes=probe, decode=decode,
+              decode_tail=decode_tail, prefill=prefill, train=train, sync=sync,
+              anchor=anchor, e2e=e2e)
 
 
 def run(args) -> dict:
@@ -198,29 +203,12 @@ def _kernels(*anchor_rows) -> str | None:
   return " / ".join(names) if names else None
 
 
-def table_rows(res: dict) -> list[tuple]:
-  """(section, measure, rl_jax, plain JAX, rl_jax / plain, target) rows."""
+def _decode_rows(decode: list, ref: dict, ratios: dict) -> list[tuple]:
+  """The decode section's table rows against the anchor's rows `ref` {(kind, B): row}."""
   rows = []
-  anchor = res.get("anchor") or {}
-  ref = {}
-  for row in anchor.get("rows", []):
-    ref[(row["kind"], row.get("B"))] = row
-  ratios = anchor.get("ratios", {})
   at_least_plain = f">= {TARGETS['ratio_over_plain']:g}"
   roof = f">= {TARGETS['decode_roofline_frac']:g}"
-
-  p = res.get("probes")
-  if p:
-    rows.append(("probes", f"copy GB/s ({p['copy_bytes'] / 2 ** 20:.0f} MiB)", p["copy_gbps"],
-                 None, None, f"ref {res['copy_gbps_ref']:g}"))
-    rows.append(("probes", f"bf16 matmul TFLOP/s (n={p['matmul_n']})", p["matmul_tflops"],
-                 None, None, f"ref {res['peak_tflops_ref']:g}"))
-  for name, m in (res.get("aot") or {}).items():
-    if "peak_bytes" in m:
-      rows.append(("aot", f"{name} peak (temp)",
-                   f"{_bytes(m['peak_bytes'])} ({_bytes(m['temp_bytes'])})",
-                   None, None, f"{m['frac_of_device']:.1%} of device"))
-  for d in res.get("decode") or []:
+  for d in decode:
     b = d["batch"]
     dense, paged = ref.get(("decode-dense", b), {}), ref.get(("decode-paged-gather", b), {})
     tag = f"B={b} ctx={d['ctx']}"
@@ -236,6 +224,31 @@ def table_rows(res: dict) -> list[tuple]:
                  roof if b >= 256 else f"({roof} at B=256)"))
     rows.append(("decode", f"{tag} roofline frac (ref bw)", d.get("roofline_frac_ref"),
                  None, None, ""))
+  return rows
+
+
+def table_rows(res: dict) -> list[tuple]:
+  """(section, measure, rl_jax, plain JAX, rl_jax / plain, target) rows."""
+  rows = []
+  anchor = res.get("anchor") or {}
+  ref = {}
+  for row in anchor.get("rows", []):
+    ref[(row["kind"], row.get("B"))] = row
+  ratios = anchor.get("ratios", {})
+  at_least_plain = f">= {TARGETS['ratio_over_plain']:g}"
+
+  p = res.get("probes")
+  if p:
+    rows.append(("probes", f"copy GB/s ({p['copy_bytes'] / 2 ** 20:.0f} MiB)", p["copy_gbps"],
+                 None, None, f"ref {res['copy_gbps_ref']:g}"))
+    rows.append(("probes", f"bf16 matmul TFLOP/s (n={p['matmul_n']})", p["matmul_tflops"],
+                 None, None, f"ref {res['peak_tflops_ref']:g}"))
+  for name, m in (res.get("aot") or {}).items():
+    if "peak_bytes" in m:
+      rows.append(("aot", f"{name} peak (temp)",
+                   f"{_bytes(m['peak_bytes'])} ({_bytes(m['temp_bytes'])})",
+                   None, None, f"{m['frac_of_device']:.1%} of device"))
+  rows += _decode_rows(res.get("decode") or [], ref, ratios)
   for d in res.get("decode_tail") or []:
     tag = (f"B={d['batch']} {d['batch'] - d['long_slots']}x{d['short_len']}"
            f"+{d['long_slots']}x{d['long_len']} {d['attention']}")
