@@ -1,0 +1,128 @@
+"""The GPU check of the Pallas paged decode kernel (sampler.attention = "pallas_gpu"),
+run by launch/check_paged_kernel.py on one GPU; every section returns a JSON-able dict.
+
+Shape letters: b slots, h query heads, k kv heads, n pages, p tokens per page, d
+head_dim, w page-table columns.
+
+correctness  The kernel against the jnp route (sampler.attention = "jnp") at the preset's
+             attention shapes, batch b, every slot at a random length in [1, ctx], slots
+             sharing prefix pages in pairs: max |kernel - jnp| in the pool dtype (bf16)
+             and in float32, and both against a float32 jnp reference computed from
+             the same bf16 values (err_vs_f32).
+attention    One layer's decode attention at every slot holding `ctx` tokens: ms per
+             call for the jnp route and for the kernel at a few tilings, and the
+             kernel's effective bandwidth, live KV bytes / time, where
+             live KV bytes = 2 (K, V) x b x ctx x k x d x itemsize.
+decode       measure.decode (an Engine, `steps_per_call` steps per call, tokens/s) with
+             attention jnp and pallas_gpu at each batch.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.bench import measure
+from rl_jax.sampler import decode as decode_lib
+from rl_jax.sampler import paged_attention_gpu as kernel_lib
+
+# (tokens_per_block, min_programs, num_warps, num_stages); the first is the default.
+TILINGS = ((128, 512, 4, 2), (64, 512, 4, 2), (256, 512, 8, 2), (128, 1024, 4, 3),
+           (128, 1, 4, 2))
+
+
+def _inputs(model_cfg, *, batch: int, ctx: int, page_size: int, dtype, seed: int,
+            full: bool):
+  """(q_bhd, k_knpd, v_knpd, table_bw, lengths_b) with slot 2i+1 sharing slot 2i's
+  first half of pages; lengths all `ctx` (full) or uniform in [1, ctx]."""
+  c = model_cfg
+  w = ctx // page_size
+  n = 1 + batch * w
+  rng = np.random.default_rng(seed)
+  keys = jax.random.split(jax.random.key(seed), 3)
+  pool = (c.num_kv_heads, n, page_size, c.head_dim)
+  k = jax.random.normal(keys[0], pool, jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[1], pool, jnp.float32).astype(dtype)
+  q = jax.random.normal(keys[2], (batch, c.num_heads, c.head_dim), jnp.float32).astype(dtype)
+  table = 1 + rng.permutation(n - 1)[:batch * w].reshape(batch, w)
+  table[1::2, :w // 2] = table[0:batch - 1:2, :w // 2]
+  lengths = (np.full((batch,), ctx) if full else rng.integers(1, ctx + 1, batch))
+  return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def correctness(model_cfg, *, batches, ctx: int, page_size: int) -> dict:
+  rows = []
+  run_kernel = jax.jit(kernel_lib.paged_attention)
+  run_jnp = jax.jit(decode_lib.paged_attention_jnp)
+  for batch in batches:
+    for dtype in (jnp.bfloat16, jnp.float32):
+      args = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size, dtype=dtype,
+                     seed=batch, full=False)
+      got = np.asarray(run_kernel(*args), np.float32)
+      want = np.asarray(run_jnp(*args), np.float32)
+      f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
+      ref = np.asarray(run_jnp(*f32), np.float32)
+      rows.append(dict(batch=batch, dtype=jnp.dtype(dtype).name,
+                       max_abs_err_vs_jnp=float(np.abs(got - want).max()),
+                       kernel_err_vs_f32=float(np.abs(got - ref).max()),
+                       jnp_err_vs_f32=float(np.abs(want - ref).max()),
+                       finite=bool(np.isfinite(got).all())))
+  return dict(rows=rows)
+
+
+def attention(model_cfg, *, batches, ctx: int, page_size: int, repeats: int) -> dict:
+  rows = []
+  c = model_cfg
+  for batch in batches:
+    args = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size,
+                   dtype=jnp.bfloat16, seed=batch, full=True)
+    kv_bytes = 2 * batch * ctx * c.num_kv_heads * c.head_dim * 2
+    run_jnp = jax.jit(decode_lib.paged_attention_jnp)
+    row = dict(batch=batch, ctx=ctx, page_size=page_size, live_kv_bytes=kv_bytes,
+               jnp_ms=1e3 * measure._seconds_per_call(lambda: run_jnp(*args), repeats))
+    tilings = []
+    for tpb, programs, warps, stages in TILINGS:
+      fn = jax.jit(functools.partial(kernel_lib.paged_attention, tokens_per_block=tpb,
+                                     min_programs=programs, num_warps=warps,
+                                     num_stages=stages))
+      entry = dict(tokens_per_block=tpb, min_programs=programs, num_warps=warps,
+                   num_stages=stages)
+      try:
+        s = measure._seconds_per_call(lambda: fn(*args), repeats)
+        entry.update(ms=1e3 * s, gbps=kv_bytes / s / 1e9)
+      except Exception as e:  # noqa: BLE001  (a tiling Triton rejects is a result too)
+        entry.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+      tilings.append(entry)
+    row["kernel"] = tilings
+    timed = [t for t in tilings if "ms" in t]
+    if timed:
+      best = min(timed, key=lambda t: t["ms"])
+      row.update(best_kernel_ms=best["ms"], best_kernel_gbps=best["gbps"],
+                 jnp_over_best_kernel=row["jnp_ms"] / best["ms"])
+    rows.append(row)
+  return dict(rows=rows)
+
+
+def decode(model_cfg, *, batches, ctx: int, page_size: int, steps_per_call: int,
+           calls: int, copy_gbps: float | None) -> dict:
+  mesh = measure.one_device_mesh()
+  params = measure.sampler_params(model_cfg, mesh, "bfloat16")
+  rows = []
+  for batch in batches:
+    pair = {}
+    for attention in ("jnp", "pallas_gpu"):
+      try:
+        pair[attention] = measure.decode(
+            model_cfg, params, mesh, batch=batch, ctx=ctx, page_size=page_size,
+            steps_per_call=steps_per_call, calls=calls, dtype="bfloat16",
+            copy_gbps=copy_gbps, ref_gbps=0.0, attention=attention)
+      except Exception as e:  # noqa: BLE001  (the other route's row still counts)
+        pair[attention] = dict(batch=batch, attention=attention,
+                               error=f"{type(e).__name__}: {str(e)[:1000]}")
+      rows.append(pair[attention])
+    if all("tokens_per_s" in r for r in pair.values()):
+      rows.append(dict(batch=batch, kernel_over_jnp_tokens_per_s=(
+          pair["pallas_gpu"]["tokens_per_s"] / pair["jnp"]["tokens_per_s"])))
+  return dict(rows=rows)
