@@ -97,16 +97,20 @@ def test_kernel_in_bfloat16_matches_jnp_route():
 def test_kernel_lowers_to_a_triton_call_for_cuda_at_qwen_shapes():
   """Qwen2.5-0.5B's attention (14 query heads on 2 kv heads, head_dim 64), 16-token
   pages, batch 64, 1k context: the Pallas Triton lowering accepts every op of the
-  kernel (lowered for CUDA from this CPU; nothing compiled or run)."""
+  kernel (lowered for CUDA from this CPU; nothing compiled or run), and the program
+  around it gathers no pages, where the jnp route gathers K and V through the table."""
   pytest.importorskip("jax.experimental.pallas.triton")
   b, w, p = 64, 64, 16
   s = jax.ShapeDtypeStruct
   pool = s((2, 1 + b * w, p, 64), jnp.bfloat16)
   args = (s((b, 14, 64), jnp.bfloat16), pool, pool, s((b, w), jnp.int32),
           s((b,), jnp.int32))
-  fn = jax.jit(lambda *a: G.paged_attention(*a, interpret=False))
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  def lowered(fn):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lowered(lambda *a: G.paged_attention(*a, interpret=False))
   assert "triton" in text and "rl_jax_paged_decode" in text
+  assert "stablehlo.gather" not in text
+  assert "stablehlo.gather" in lowered(D.paged_attention_jnp)
 
 
 def test_engine_decode_through_the_kernel_equals_the_jnp_route(params, monkeypatch):  # noqa: F811
