@@ -17,8 +17,11 @@ from test_engine import params  # noqa: F401  (a fixture)
 
 def _case(*, g, page, width, lengths, kv_heads=2, d=16, seed=0):
   """Pools [k, n, p, d], q [b, h, d], a page table where slots 0 and 1 share their first
-  two pages (a shared prefix), and the pages no slot reads live positions from: those are
-  filled with NaN in `poisoned`, which only a kernel that reads past a slot's length sees."""
+  two pages (a shared prefix). In the `poisoned` pools every page that holds no live
+  position of any slot (the null page, the rest of a slot's last page's block, columns
+  past its length, padding) is NaN: one such value reaching the output fails the test.
+  (That the kernel does not even load the blocks past a slot's length is its loop bound,
+  not visible in values; the GPU check times it, launch/check_paged_kernel.py.)"""
   rng = np.random.default_rng(seed)
   b = len(lengths)
   n = 1 + b * width
@@ -53,22 +56,22 @@ def _numpy_attention(q, k, v, table, lengths):
   return out
 
 
-# (q heads per kv head, page size, width, lengths, tokens_per_block, min_programs):
-# MHA with several blocks in one split; GQA 3 with more splits than a short slot has
-# blocks (empty splits) and lengths at, just past and one short of page boundaries;
-# one page per block (a block is a single page) with GQA 4.
-CASES = [(1, 4, 6, [5, 24, 1, 8], 16, 1),
-         (3, 4, 12, [9, 48, 4, 13, 47], 16, 64),
-         (4, 16, 4, [17, 64, 16, 1], 16, 16)]
+# (q heads per kv head, page size, width, lengths, tokens_per_block, min_programs,
+# splits): MHA with two blocks in one split; GQA 3 with three splits, so short slots have
+# empty ones, and lengths at, just past and one short of page boundaries; one page per
+# block with GQA 4 and two splits.
+CASES = [(1, 4, 6, [5, 24, 1, 8], 16, 1, 1),
+         (3, 4, 12, [9, 48, 4, 13, 47], 16, 64, 3),
+         (4, 16, 4, [17, 64, 16, 1], 16, 16, 2)]
 
 
-@pytest.mark.parametrize("g,page,width,lengths,tpb,min_programs", CASES)
+@pytest.mark.parametrize("g,page,width,lengths,tpb,min_programs,splits", CASES)
 def test_kernel_matches_numpy_and_jnp_in_interpret_mode(g, page, width, lengths, tpb,
-                                                        min_programs):
+                                                        min_programs, splits):
   c = _case(g=g, page=page, width=width, lengths=lengths)
   tile = G.plan(batch=len(lengths), kv_heads=2, q_per_kv=g, page_size=page, head_dim=16,
                 width=width, tokens_per_block=tpb, min_programs=min_programs)
-  assert tile["pages_per_block"] * page == tpb
+  assert tile["pages_per_block"] * page == tpb and tile["splits"] == splits
   ref = _numpy_attention(c["q"], c["k"], c["v"], c["table"], c["lengths"])
   want = D.paged_attention_jnp(*map(jnp.asarray, (c["q"], c["k"], c["v"], c["table"],
                                                   c["lengths"])))

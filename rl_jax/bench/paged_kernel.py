@@ -12,7 +12,8 @@ correctness  The kernel against the jnp route (sampler.attention = "jnp") at the
 attention    One layer's decode attention at every slot holding `ctx` tokens: ms per
              call for the jnp route and for the kernel at a few tilings, and the
              kernel's effective bandwidth, live KV bytes / time, where
-             live KV bytes = 2 (K, V) x b x ctx x k x d x itemsize.
+             live KV bytes = 2 (K, V) x b x ctx x k x d x itemsize; then both routes
+             (default tiling) with every slot at ctx / 8 over the same table width.
 decode       measure.decode (an Engine, `steps_per_call` steps per call, tokens/s) with
              attention jnp and pallas_gpu at each batch.
 """
@@ -34,9 +35,10 @@ TILINGS = ((128, 512, 4, 2), (64, 512, 4, 2), (256, 512, 8, 2), (128, 1024, 4, 3
 
 
 def _inputs(model_cfg, *, batch: int, ctx: int, page_size: int, dtype, seed: int,
-            full: bool):
-  """(q_bhd, k_knpd, v_knpd, table_bw, lengths_b) with slot 2i+1 sharing slot 2i's
-  first half of pages; lengths all `ctx` (full) or uniform in [1, ctx]."""
+            length: int = 0):
+  """(q_bhd, k_knpd, v_knpd, table_bw, lengths_b) over ctx / page_size table columns,
+  slot 2i+1 sharing slot 2i's first half of pages; every length `length`, or uniform in
+  [1, ctx] with length 0."""
   c = model_cfg
   w = ctx // page_size
   n = 1 + batch * w
@@ -48,7 +50,7 @@ def _inputs(model_cfg, *, batch: int, ctx: int, page_size: int, dtype, seed: int
   q = jax.random.normal(keys[2], (batch, c.num_heads, c.head_dim), jnp.float32).astype(dtype)
   table = 1 + rng.permutation(n - 1)[:batch * w].reshape(batch, w)
   table[1::2, :w // 2] = table[0:batch - 1:2, :w // 2]
-  lengths = (np.full((batch,), ctx) if full else rng.integers(1, ctx + 1, batch))
+  lengths = np.full((batch,), length) if length else rng.integers(1, ctx + 1, batch)
   return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
@@ -59,7 +61,7 @@ def correctness(model_cfg, *, batches, ctx: int, page_size: int) -> dict:
   for batch in batches:
     for dtype in (jnp.bfloat16, jnp.float32):
       args = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size, dtype=dtype,
-                     seed=batch, full=False)
+                     seed=batch)
       got = np.asarray(run_kernel(*args), np.float32)
       want = np.asarray(run_jnp(*args), np.float32)
       f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
@@ -77,7 +79,7 @@ def attention(model_cfg, *, batches, ctx: int, page_size: int, repeats: int) -> 
   c = model_cfg
   for batch in batches:
     args = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size,
-                   dtype=jnp.bfloat16, seed=batch, full=True)
+                   dtype=jnp.bfloat16, seed=batch, length=ctx)
     kv_bytes = 2 * batch * ctx * c.num_kv_heads * c.head_dim * 2
     run_jnp = jax.jit(decode_lib.paged_attention_jnp)
     row = dict(batch=batch, ctx=ctx, page_size=page_size, live_kv_bytes=kv_bytes,
@@ -101,6 +103,14 @@ def attention(model_cfg, *, batches, ctx: int, page_size: int, repeats: int) -> 
       best = min(timed, key=lambda t: t["ms"])
       row.update(best_kernel_ms=best["ms"], best_kernel_gbps=best["gbps"],
                  jnp_over_best_kernel=row["jnp_ms"] / best["ms"])
+    # The same table width with every slot at ctx / 8: reading only live pages, the
+    # kernel's time should fall towards 1/8 (the jnp route reads the whole width).
+    short = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size,
+                    dtype=jnp.bfloat16, seed=batch, length=max(ctx // 8, 1))
+    fn = jax.jit(kernel_lib.paged_attention)
+    row["short_len"] = max(ctx // 8, 1)
+    row["short_jnp_ms"] = 1e3 * measure._seconds_per_call(lambda: run_jnp(*short), repeats)
+    row["short_kernel_ms"] = 1e3 * measure._seconds_per_call(lambda: fn(*short), repeats)
     rows.append(row)
   return dict(rows=rows)
 

@@ -12,11 +12,12 @@ where position j of slot b sits at row j % p of page page_table_bw[b, j // p].
 
 Grid (b, k, s): one program per (slot, kv head, split). It keeps the slot's g query
 heads of that kv head as an [r, d] tile and walks its share of the slot's page-table
-columns in blocks of c pages, stopping at the slot's last live page (positions past
-kv_len_b inside that block are masked): pages are read in place through the page table
-(no gathered copy), each live page once per kv head, and one K/V tile feeds all g query
-heads (GQA-native). Table columns past the slot's last live block are never read, nor
-are the pages they name; inside the last block, dead positions are masked. Online softmax per block in float32, from bf16 (or fp32) K/V:
+columns in blocks of c pages, up to the block holding the slot's last live position:
+pages are read in place through the page table (no gathered copy), each live page once
+per kv head, and one K/V tile feeds all g query heads (GQA-native). Columns past that
+block are never read, nor the pages they name; inside it, positions >= kv_len_b are
+masked out of the scores and zeroed out of V (whatever a dead page holds, even NaN).
+Online softmax per block in float32, from bf16 (or fp32) K/V:
   m' = max(m, max_j s_j),  l' = e^(m - m') l + sum_j e^(s_j - m'),
   acc' = e^(m - m') acc + sum_j e^(s_j - m') V_j.
 Each split writes (acc, m, l) in float32; the splits combine outside the kernel:
@@ -108,8 +109,6 @@ def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
     pages_c = table_ref[pl.ds(col, pages_per_block)]
     live_t = col * page_size + lax.broadcasted_iota(jnp.int32, (tokens,), 0) < length
     k_td = k_ref[pages_c].reshape(tokens, d)
-    # Rows past the length are never trusted: whatever a dead page holds (even NaN)
-    # is masked out of the scores and zeroed out of V.
     v_td = jnp.where(live_t[:, None], v_ref[pages_c].reshape(tokens, d), 0)
     s_rt = lax.dot_general(q_rd, k_td, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32) * scale
