@@ -4,6 +4,7 @@ with each route (rl_jax/bench/paged_kernel.py; notes/PERFORMANCE.md).
 
   python launch/check_paged_kernel.py [--out $OUT/paged_kernel.json] [--preset qwen2_0_5b]
       [--batches 64,256] [--ctx 1024] [--sections correctness,attention,decode]
+  python launch/check_paged_kernel.py --sections ptx   # no GPU: compile to PTX / SASS only
 
 The JSON is rewritten after every section, and a section that fails records its error
 and the run goes on, so a run cut short still leaves what it measured.
@@ -41,13 +42,15 @@ def main() -> int:
   sizes = dict(batches=batches, ctx=args.ctx, page_size=args.page_size)
   res = dict(jax=jax.__version__, backend=jax.default_backend(),
              device=jax.devices()[0].device_kind, preset=args.preset, **sizes)
-  copy_gbps = measure.copy_bandwidth(nbytes=1 << 30, repeats=10)["copy_gbps"]
+  timed = set(args.sections.split(",")) - {"ptx"}
+  copy_gbps = measure.copy_bandwidth(nbytes=1 << 30, repeats=10)["copy_gbps"] if timed else None
   res["copy_gbps"] = copy_gbps
   runs = dict(
       correctness=lambda: paged_kernel.correctness(cfg, **sizes),
       attention=lambda: paged_kernel.attention(cfg, repeats=args.repeats, **sizes),
       decode=lambda: paged_kernel.decode(cfg, steps_per_call=args.steps_per_call,
-                                         calls=args.calls, copy_gbps=copy_gbps, **sizes))
+                                         calls=args.calls, copy_gbps=copy_gbps, **sizes),
+      ptx=lambda: paged_kernel.ptx(cfg, **sizes))
   for name in args.sections.split(","):
     t0 = time.perf_counter()
     try:

@@ -16,10 +16,21 @@ attention    One layer's decode attention at every slot holding `ctx` tokens: ms
              (default tiling) with every slot at ctx / 8 over the same table width.
 decode       measure.decode (an Engine, `steps_per_call` steps per call, tokens/s) with
              attention jnp and pallas_gpu at each batch.
+ptx          No GPU needed: each tiling lowered for CUDA, its Triton module compiled to
+             PTX for `arch` by the CUDA plugin's Triton compiler (jax-cuda12-plugin of
+             jaxlib's version installed; jax._src.lib.triton, a private API), giving
+             shared memory per program, and, where ptxas is found (PATH or the
+             nvidia-cuda-nvcc-cu12 wheel), registers per thread and spill bytes.
 """
 from __future__ import annotations
 
 import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +147,70 @@ def decode(model_cfg, *, batches, ctx: int, page_size: int, steps_per_call: int,
       rows.append(dict(batch=batch, kernel_over_jnp_tokens_per_s=(
           pair["pallas_gpu"]["tokens_per_s"] / pair["jnp"]["tokens_per_s"])))
   return dict(rows=rows)
+
+
+def _triton_calls(fn, args) -> list[tuple[bytes, int, int]]:
+  """(Triton module bytecode, num_warps, num_stages) of each Pallas Triton call in
+  `fn` lowered for CUDA (from any backend)."""
+  module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir()
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          attrs = child.attributes
+          if child.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in attrs:
+            cfg = attrs["mhlo.backend_config"]
+            found.append((bytes(cfg["ir"].value_bytes), int(cfg["num_warps"].value),
+                          int(cfg["num_stages"].value)))
+          walk(child.operation)
+  walk(module.operation)
+  return found
+
+
+def _ptxas() -> str | None:
+  import importlib.util
+  spec = importlib.util.find_spec("nvidia")
+  wheel = [p for d in (spec.submodule_search_locations if spec else [])
+           for p in glob.glob(os.path.join(d, "cuda_nvcc", "bin", "ptxas"))]
+  return shutil.which("ptxas") or (wheel[0] if wheel else None)
+
+
+def ptx(model_cfg, *, batches, ctx: int, page_size: int, arch: str = "9.0") -> dict:
+  from jax._src.lib import triton
+  jax.devices()  # initialises the backends, and with them the CUDA plugin if installed
+  if not triton.has_compilation_handler("CUDA"):
+    raise RuntimeError("no Triton compiler for CUDA: install jax-cuda12-plugin and "
+                       f"jax-cuda12-pjrt {jax.__version__} (no GPU needed)")
+  c, ptxas, rows = model_cfg, _ptxas(), []
+  s = jax.ShapeDtypeStruct
+  for batch in batches:
+    w = ctx // page_size
+    pool = s((c.num_kv_heads, 1 + batch * w, page_size, c.head_dim), jnp.bfloat16)
+    args = (s((batch, c.num_heads, c.head_dim), jnp.bfloat16), pool, pool,
+            s((batch, w), jnp.int32), s((batch,), jnp.int32))
+    for tpb, programs, warps, stages in TILINGS:
+      fn = functools.partial(kernel_lib.paged_attention, tokens_per_block=tpb,
+                             min_programs=programs, num_warps=warps, num_stages=stages,
+                             interpret=False)
+      [(module, warps, stages)] = _triton_calls(fn, args)
+      out = triton.compile("CUDA", module, arch, num_warps=warps, num_ctas=1,
+                           num_stages=stages)
+      row = dict(batch=batch, tokens_per_block=tpb, min_programs=programs,
+                 num_warps=warps, num_stages=stages, arch=arch, smem_bytes=out.smem_bytes,
+                 ptx_chars=len(out.asm))
+      if ptxas:
+        target = re.search(r"\.target\s+(\w+)", out.asm).group(1)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+          f.write(out.asm)
+          f.flush()
+          log = subprocess.run([ptxas, f"-arch={target}", "-v", f.name, "-o", os.devnull],
+                               capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", log)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        row.update(registers=int(regs.group(1)) if regs else None,
+                   spill_bytes=sum(map(int, spills.groups())) if spills else None,
+                   ptxas_target=target)
+      rows.append(row)
+  return dict(ptxas=ptxas, rows=rows)
