@@ -7,13 +7,14 @@ head_dim, w page-table columns.
 correctness  The kernel against the jnp route (sampler.attention = "jnp") at the preset's
              attention shapes, batch b, every slot at a random length in [1, ctx], slots
              sharing prefix pages in pairs: max |kernel - jnp| in the pool dtype (bf16)
-             and in float32, and both against a float32 jnp reference computed from
-             the same bf16 values (err_vs_f32).
-attention    One layer's decode attention at every slot holding `ctx` tokens: ms per
-             call for the jnp route and for the kernel at a few tilings, and the
-             kernel's effective bandwidth, live KV bytes / time, where
-             live KV bytes = 2 (K, V) x b x ctx x k x d x itemsize; then both routes
-             (default tiling) with every slot at ctx / 8 over the same table width.
+             and in float32, and each against the jnp route in float32 on the same
+             (bf16-rounded) values (*_err_vs_f32).
+attention    Decode attention at every slot holding `ctx` tokens, timed over a chain of
+             CHAIN layers' distinct pools per call: ms per layer for the jnp route and
+             for the kernel at a few tilings, and the kernel's effective bandwidth,
+             live KV bytes / time, live KV bytes = 2 (K, V) x b x ctx x k x d x
+             itemsize per layer; then both routes (default tiling) with every slot at
+             ctx / 8 over the same table width.
 decode       measure.decode (an Engine, `steps_per_call` steps per call, tokens/s) with
              attention jnp and pallas_gpu at each batch.
 ptx          No GPU needed: each tiling lowered for CUDA, its Triton module compiled to
@@ -42,27 +43,28 @@ from rl_jax.sampler import paged_attention_gpu as kernel_lib
 
 # (tokens_per_block, min_programs, num_warps, num_stages); the first is the default.
 TILINGS = ((128, 512, 4, 2), (64, 512, 4, 2), (256, 512, 8, 2), (128, 1024, 4, 3),
-           (128, 1, 4, 2))
+           (128, 256, 4, 2), (128, 1, 4, 2))
+CHAIN = 8  # distinct layer pools per timed call (see attention)
 
 
 def _inputs(model_cfg, *, batch: int, ctx: int, page_size: int, dtype, seed: int,
-            length: int = 0):
-  """(q_bhd, k_knpd, v_knpd, table_bw, lengths_b) over ctx / page_size table columns,
-  slot 2i+1 sharing slot 2i's first half of pages; every length `length`, or uniform in
-  [1, ctx] with length 0."""
+            length: int = 0, layers: int = 1):
+  """(q_bhd, k pools, v pools, table_bw, lengths_b): `layers` distinct [k, n, p, d]
+  pools each over ctx / page_size table columns, slot 2i+1 sharing slot 2i's first
+  half of pages; every length `length`, or uniform in [1, ctx] with length 0."""
   c = model_cfg
   w = ctx // page_size
   n = 1 + batch * w
   rng = np.random.default_rng(seed)
-  keys = jax.random.split(jax.random.key(seed), 3)
+  keys = jax.random.split(jax.random.key(seed), 2 * layers + 1)
   pool = (c.num_kv_heads, n, page_size, c.head_dim)
-  k = jax.random.normal(keys[0], pool, jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[1], pool, jnp.float32).astype(dtype)
-  q = jax.random.normal(keys[2], (batch, c.num_heads, c.head_dim), jnp.float32).astype(dtype)
+  k, v = ([jax.random.normal(key, pool, jnp.float32).astype(dtype) for key in half]
+          for half in (keys[:layers], keys[layers:-1]))
+  q = jax.random.normal(keys[-1], (batch, c.num_heads, c.head_dim), jnp.float32).astype(dtype)
   table = 1 + rng.permutation(n - 1)[:batch * w].reshape(batch, w)
   table[1::2, :w // 2] = table[0:batch - 1:2, :w // 2]
   lengths = np.full((batch,), length) if length else rng.integers(1, ctx + 1, batch)
-  return q, k, v, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
+  return q, tuple(k), tuple(v), jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
 def correctness(model_cfg, *, batches, ctx: int, page_size: int) -> dict:
@@ -71,12 +73,12 @@ def correctness(model_cfg, *, batches, ctx: int, page_size: int) -> dict:
   run_jnp = jax.jit(decode_lib.paged_attention_jnp)
   for batch in batches:
     for dtype in (jnp.bfloat16, jnp.float32):
-      args = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size, dtype=dtype,
-                     seed=batch)
-      got = np.asarray(run_kernel(*args), np.float32)
-      want = np.asarray(run_jnp(*args), np.float32)
-      f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
-      ref = np.asarray(run_jnp(*f32), np.float32)
+      q, (k,), (v,), table, lengths = _inputs(model_cfg, batch=batch, ctx=ctx,
+                                              page_size=page_size, dtype=dtype, seed=batch)
+      got = np.asarray(run_kernel(q, k, v, table, lengths), np.float32)
+      want = np.asarray(run_jnp(q, k, v, table, lengths), np.float32)
+      f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+      ref = np.asarray(run_jnp(*f32, table, lengths), np.float32)
       rows.append(dict(batch=batch, dtype=jnp.dtype(dtype).name,
                        max_abs_err_vs_jnp=float(np.abs(got - want).max()),
                        kernel_err_vs_f32=float(np.abs(got - ref).max()),
@@ -85,26 +87,42 @@ def correctness(model_cfg, *, batches, ctx: int, page_size: int) -> dict:
   return dict(rows=rows)
 
 
+def _chained(attend):
+  """One jitted call attending over each layer's pools in turn, each layer's output the
+  next one's query (as in a decode step): one dispatch per CHAIN kernels, and CHAIN
+  distinct pools, so neither host dispatch nor the L2 cache flatters a ~10 us kernel."""
+  def run(q_bhd, ks, vs, table_bw, lengths_b):
+    for k, v in zip(ks, vs):
+      q_bhd = attend(q_bhd, k, v, table_bw, lengths_b)
+    return q_bhd
+  return jax.jit(run)
+
+
 def attention(model_cfg, *, batches, ctx: int, page_size: int, repeats: int) -> dict:
+  """ms per layer (a chain of CHAIN layers per call, divided by CHAIN)."""
   rows = []
   c = model_cfg
   for batch in batches:
     args = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size,
-                   dtype=jnp.bfloat16, seed=batch, length=ctx)
+                   dtype=jnp.bfloat16, seed=batch, length=ctx, layers=CHAIN)
     kv_bytes = 2 * batch * ctx * c.num_kv_heads * c.head_dim * 2
-    run_jnp = jax.jit(decode_lib.paged_attention_jnp)
-    row = dict(batch=batch, ctx=ctx, page_size=page_size, live_kv_bytes=kv_bytes,
-               jnp_ms=1e3 * measure._seconds_per_call(lambda: run_jnp(*args), repeats))
+    run_jnp = _chained(decode_lib.paged_attention_jnp)
+
+    def per_layer_ms(fn, inputs):
+      return 1e3 * measure._seconds_per_call(lambda: fn(*inputs), repeats) / CHAIN
+
+    row = dict(batch=batch, ctx=ctx, page_size=page_size, layers_per_call=CHAIN,
+               live_kv_bytes_per_layer=kv_bytes, jnp_ms=per_layer_ms(run_jnp, args))
     tilings = []
     for tpb, programs, warps, stages in TILINGS:
-      fn = jax.jit(functools.partial(kernel_lib.paged_attention, tokens_per_block=tpb,
-                                     min_programs=programs, num_warps=warps,
-                                     num_stages=stages))
+      fn = _chained(functools.partial(kernel_lib.paged_attention, tokens_per_block=tpb,
+                                      min_programs=programs, num_warps=warps,
+                                      num_stages=stages))
       entry = dict(tokens_per_block=tpb, min_programs=programs, num_warps=warps,
                    num_stages=stages)
       try:
-        s = measure._seconds_per_call(lambda: fn(*args), repeats)
-        entry.update(ms=1e3 * s, gbps=kv_bytes / s / 1e9)
+        ms = per_layer_ms(fn, args)
+        entry.update(ms=ms, gbps=kv_bytes / ms / 1e6)
       except Exception as e:  # noqa: BLE001  (a tiling Triton rejects is a result too)
         entry.update(error=f"{type(e).__name__}: {str(e)[:300]}")
       tilings.append(entry)
@@ -116,12 +134,11 @@ def attention(model_cfg, *, batches, ctx: int, page_size: int, repeats: int) -> 
                  jnp_over_best_kernel=row["jnp_ms"] / best["ms"])
     # The same table width with every slot at ctx / 8: reading only live pages, the
     # kernel's time should fall towards 1/8 (the jnp route reads the whole width).
+    del args
     short = _inputs(model_cfg, batch=batch, ctx=ctx, page_size=page_size,
-                    dtype=jnp.bfloat16, seed=batch, length=max(ctx // 8, 1))
-    fn = jax.jit(kernel_lib.paged_attention)
-    row["short_len"] = max(ctx // 8, 1)
-    row["short_jnp_ms"] = 1e3 * measure._seconds_per_call(lambda: run_jnp(*short), repeats)
-    row["short_kernel_ms"] = 1e3 * measure._seconds_per_call(lambda: fn(*short), repeats)
+                    dtype=jnp.bfloat16, seed=batch, length=max(ctx // 8, 1), layers=CHAIN)
+    row.update(short_len=max(ctx // 8, 1), short_jnp_ms=per_layer_ms(run_jnp, short),
+               short_kernel_ms=per_layer_ms(_chained(kernel_lib.paged_attention), short))
     rows.append(row)
   return dict(rows=rows)
 
