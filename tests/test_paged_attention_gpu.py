@@ -148,5 +148,5 @@ def test_pallas_gpu_is_refused_off_gpu_in_one_line():
 @pytest.mark.parametrize("field,kw", [("page_size", dict(page_size=12, head_dim=64)),
                                       ("head_dim", dict(page_size=16, head_dim=8))])
 def test_plan_names_the_shape_triton_cannot_tile(field, kw):
-  with pytest.raises(ValueError, match=field):
+  with pytest.raises(UserError, match=field):
     G.plan(batch=4, kv_heads=2, q_per_kv=7, width=8, **kw)

@@ -74,12 +74,13 @@ def _pow2_at_least(x: int) -> int:
 def plan(*, batch: int, kv_heads: int, q_per_kv: int, page_size: int, head_dim: int,
          width: int, tokens_per_block: int = 128, min_programs: int = 512) -> dict:
   """Static tiling for one call: rows r, pages per block c, blocks per split, splits s,
-  padded table width; ValueError (naming the field) for shapes Triton cannot tile."""
+  padded table width; KernelUnavailableError (naming the field) for shapes Triton
+  cannot tile."""
   for name, value, least in (("sampler.page_size", page_size, 1),
                              ("model head_dim", head_dim, _MIN_ROWS)):
     if value < least or value & (value - 1):
-      raise ValueError(f"sampler.attention='pallas_gpu' needs {name} to be a power of two "
-                       f">= {least}, got {value}")
+      raise KernelUnavailableError(f"sampler.attention='pallas_gpu' needs {name} to be a "
+                                   f"power of two >= {least}, got {value}")
   pages = max(_pow2_at_least(tokens_per_block) // page_size, 1, _MIN_ROWS // page_size)
   blocks = -(-width // pages)
   want = _pow2_at_least(-(-min_programs // (batch * kv_heads)))
