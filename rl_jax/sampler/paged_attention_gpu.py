@@ -145,7 +145,7 @@ def paged_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, 
   g = h // kh
   w = page_table_bw.shape[1]
   tile = plan(batch=b, kv_heads=kh, q_per_kv=g, page_size=p, head_dim=d, width=w,
-           tokens_per_block=tokens_per_block, min_programs=min_programs)
+              tokens_per_block=tokens_per_block, min_programs=min_programs)
   rows, splits = tile["rows"], tile["splits"]
   if interpret is None:
     interpret = jax.default_backend() not in _GPU_BACKENDS
@@ -162,7 +162,7 @@ def paged_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, 
   if not interpret:
     from jax.experimental.pallas import triton as pltriton
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  acc, m, l = pl.pallas_call(
+  acc_bksrd, m_bksr, l_bksr = pl.pallas_call(
       kernel,
       grid=(b, kh, splits),
       in_specs=[
@@ -188,8 +188,8 @@ def paged_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, 
           bytes_accessed=kv_bytes + q_bkrd.size * itemsize + out_bytes),
       name="rl_jax_paged_decode",
   )(kv_len_b.astype(jnp.int32)[:, None], table_bw, q_bkrd, k_pages_knpd, v_pages_knpd)
-  weight_bks = jnp.exp(m - m.max(axis=2, keepdims=True))
-  num_bkrd = (acc * weight_bks[..., None]).sum(axis=2)
-  den_bkr = (l * weight_bks).sum(axis=2)
+  weight_bksr = jnp.exp(m_bksr - m_bksr.max(axis=2, keepdims=True))
+  num_bkrd = (acc_bksrd * weight_bksr[..., None]).sum(axis=2)
+  den_bkr = (l_bksr * weight_bksr).sum(axis=2)
   out_bkrd = num_bkrd / jnp.maximum(den_bkr, jnp.finfo(jnp.float32).tiny)[..., None]
   return out_bkrd[:, :, :g].reshape(b, h, d).astype(v_pages_knpd.dtype)
