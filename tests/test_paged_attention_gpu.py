@@ -1,11 +1,16 @@
 """The Pallas GPU paged decode kernel (rl_jax/sampler/paged_attention_gpu.py) on CPU:
 in Pallas interpret mode against a NumPy formula and the jnp route, its lowering to a
-Triton call for CUDA, the engine's decode through it, and the one-line refusal off GPU."""
+Triton call for CUDA, its partitioning over a device mesh, the engine's decode through
+it, and the one-line refusal off GPU."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from rl_jax import sharding as shd
 from rl_jax.errors import UserError
 from rl_jax.sampler import decode as D
 from rl_jax.sampler import engine as E
@@ -118,13 +123,15 @@ def test_kernel_lowers_to_a_triton_call_for_cuda_at_qwen_shapes():
 
 def test_engine_decode_through_the_kernel_equals_the_jnp_route(params, monkeypatch):  # noqa: F811
   """Sampled decode (temperature 1, top-k / top-p) with the kernel as the engine's
-  attention (interpreted on this CPU) gives the jnp route's tokens and log-probs."""
+  attention (interpreted on this CPU), on a mesh splitting slots over 2 data devices and
+  kv heads over 2 tensor devices, gives the one-device jnp route's tokens and
+  log-probs."""
   sampling = E.Sampling(temperature=1.0, top_k=10, top_p=0.95)
   results = {}
-  for attention in ("jnp", "pallas_gpu"):
+  for attention, mesh in (("jnp", (1, 1, 1)), ("pallas_gpu", (2, 1, 2))):
     if attention == "pallas_gpu":
       monkeypatch.setattr(G, "check_backend", lambda backend=None: None)
-    eng = make_engine(steps_per_call=2, attention=attention)
+    eng = make_engine(mesh, steps_per_call=2, attention=attention)
     assert eng.attention == attention
     _, toks, lps, valid = decode(eng, params, _started_state(eng, params, sampling), 6)
     assert valid.all()
@@ -132,6 +139,25 @@ def test_engine_decode_through_the_kernel_equals_the_jnp_route(params, monkeypat
   np.testing.assert_array_equal(results["pallas_gpu"][0], results["jnp"][0])
   np.testing.assert_allclose(results["pallas_gpu"][1], results["jnp"][1], atol=1e-5)
   assert CFG.num_heads // CFG.num_kv_heads > 1  # the engine case is GQA too
+
+
+def test_kernel_on_a_mesh_runs_per_device_without_collectives():
+  """Slots split over `data`, kv heads (and their q heads, GQA 3) over `tensor`: each
+  device attends for its own shard, so the compiled program has no collective (the
+  kernel alone, unpartitioned, would be all-gathered around), and equals the jnp
+  route."""
+  c = _case(g=3, page=4, width=8, lengths=[5, 32, 1, 17], seed=2)
+  mesh = shd.make_mesh((2, 1, 2), jax.devices()[:4])
+  specs = (P("data", "tensor", None), P("tensor", None, None, None),
+           P("tensor", None, None, None), P("data", None), P("data"))
+  args = [jnp.asarray(c[f]) for f in ("q", "k", "v", "table", "lengths")]
+  fn = jax.jit(lambda *a: G.paged_attention(*a, tokens_per_block=16),
+               in_shardings=tuple(NamedSharding(mesh, s) for s in specs),
+               out_shardings=NamedSharding(mesh, specs[0]))
+  hlo = fn.lower(*args).compile().as_text()
+  assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", hlo)
+  ref = _numpy_attention(c["q"], c["k"], c["v"], c["table"], c["lengths"])
+  np.testing.assert_allclose(np.asarray(fn(*args)), ref, atol=1e-5)
 
 
 def test_pallas_gpu_is_refused_off_gpu_in_one_line():

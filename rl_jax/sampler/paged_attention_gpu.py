@@ -26,6 +26,10 @@ Splits exist so that a small batch still fills the GPU (flash-decoding): s is th
 smallest power of two giving >= `min_programs` programs, capped by the blocks a row has.
 A slot with kv_len 0 gets 0 (decode never has one: kv_len = position + 1).
 
+On a device mesh (custom_partitioning) every device runs the kernel for the slots of
+its q batch shard over the kv heads of its pool shard, with no collective; the pools'
+pages must be whole on every device, as the sampler's sharding rules keep them.
+
 Constraints of the Triton lowering: d and p powers of two, d >= 16. Off a GPU the kernel
 runs in Pallas interpret mode (tests); decode.resolve_attention refuses "pallas_gpu" on
 any other backend with one line (check_backend).
@@ -38,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rl_jax.errors import UserError
 
@@ -139,7 +145,18 @@ def paged_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, 
 
   tokens_per_block (t = c p), min_programs, num_warps and num_stages tune the kernel;
   interpret None runs the Pallas interpreter off a GPU and the Triton kernel on one.
+  On a multi-device mesh each device runs the kernel on its own slots and kv heads
+  (_partition); on one device the kernel is called directly.
   """
+  options = (("tokens_per_block", tokens_per_block), ("min_programs", min_programs),
+             ("num_warps", num_warps), ("num_stages", num_stages), ("interpret", interpret))
+  return _sharded_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b,
+                            options)
+
+
+def _local_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, *,
+                     tokens_per_block, min_programs, num_warps, num_stages, interpret):
+  """paged_attention on one device's arrays."""
   b, h, d = q_bhd.shape
   kh, n, p, _ = k_pages_knpd.shape
   g = h // kh
@@ -193,3 +210,46 @@ def paged_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, 
   den_bkr = (l_bksr * weight_bksr).sum(axis=2)
   out_bkrd = num_bkrd / jnp.maximum(den_bkr, jnp.finfo(jnp.float32).tiny)[..., None]
   return out_bkrd[:, :, :g].reshape(b, h, d).astype(v_pages_knpd.dtype)
+
+
+@functools.partial(custom_partitioning, static_argnums=(5,))
+def _sharded_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b, options):
+  return _local_attention(q_bhd, k_pages_knpd, v_pages_knpd, page_table_bw, kv_len_b,
+                          **dict(options))
+
+
+def _specs(mesh, arg_shapes):
+  """(slot axes, kv-head axes): the slots split as q's batch dim is, the kv heads as the
+  pools' head dim is; pages, rows and head_dim stay whole on every device."""
+  q_spec, k_spec = (tuple(a.sharding.spec) for a in arg_shapes[:2])
+  return (q_spec[0] if q_spec else None), (k_spec[0] if k_spec else None)
+
+
+def _infer(options, mesh, arg_shapes, result_shape):
+  slots, heads = _specs(mesh, arg_shapes)
+  return NamedSharding(mesh, P(slots, heads, None))
+
+
+def _partition(options, mesh, arg_shapes, result_shape):
+  """Every device attends for its slots (q's batch shards, with their page-table rows
+  and lengths) over its kv heads (the pools' head shards, with the q heads they serve:
+  head i reads kv head i // g, so a contiguous block of kv heads owns a contiguous block
+  of q heads). No collective: the pools' pages are whole on every device already."""
+  slots, heads = _specs(mesh, arg_shapes)
+  pool = NamedSharding(mesh, P(heads, None, None, None))
+  args = (NamedSharding(mesh, P(slots, heads, None)), pool, pool,
+          NamedSharding(mesh, P(slots, None)), NamedSharding(mesh, P(slots)))
+
+  def local(*arrays):
+    return _local_attention(*arrays, **dict(options))
+  return mesh, local, NamedSharding(mesh, P(slots, heads, None)), args
+
+
+def _sharding_rule(options, mesh, value_types, result_types):
+  """Shardy's rule: h = (k g), so q's heads follow the pools' kv heads."""
+  g = value_types[0].shape[1] // value_types[1].shape[0]
+  return "b (k g) d, k n p d, k n p d, b w, b -> b (k g) d", {"g": g}
+
+
+_sharded_attention.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                                 sharding_rule=_sharding_rule)
