@@ -43,7 +43,7 @@ def get_config(arg=None):
   c.sampler.top_p = 1.0
   c.sampler.dtype = "auto"  # sampler weight / KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU
   c.sampler.layers = "auto"  # decode layer loop: unrolled | scan; auto: unrolled
-  c.sampler.attention = "auto"  # decode attention: jnp | ragged | pallas_tpu; auto: pallas_tpu on TPU, else jnp
+  c.sampler.attention = "auto"  # decode attention: jnp | ragged | pallas_tpu | pallas_gpu; auto: pallas_tpu on TPU, else jnp
   c.sampler.steps_per_call = 1  # decode steps per host round trip
 
   c.trainer = ml_collections.ConfigDict()

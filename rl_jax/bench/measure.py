@@ -131,9 +131,9 @@ def decode_engine(model_cfg, mesh, *, batch: int, ctx: int, page_size: int,
 
 def decode(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
            steps_per_call: int, calls: int, dtype: str, copy_gbps: float | None,
-           ref_gbps: float) -> dict:
+           ref_gbps: float, attention: str = "auto") -> dict:
   engine = decode_engine(model_cfg, mesh, batch=batch, ctx=ctx, page_size=page_size,
-                         steps_per_call=steps_per_call, dtype=dtype)
+                         steps_per_call=steps_per_call, dtype=dtype, attention=attention)
   pages_per_slot = ctx // page_size
   # Start late enough that the warm-up call and the timed calls end inside ctx.
   start = ctx - (calls + 1) * steps_per_call - 1
@@ -158,8 +158,9 @@ def decode(model_cfg, params, mesh, *, batch: int, ctx: int, page_size: int,
   kv_bytes = batch * mean_len * kv_bytes_per_token(model_cfg, dtype)
   bytes_step = weight_bytes + kv_bytes
   row = dict(batch=batch, ctx=ctx, page_size=page_size, steps_per_call=steps_per_call,
-             attention=engine.attention, step_ms=1e3 * step_s, tokens_per_s=batch / step_s, weight_bytes=weight_bytes,
-             kv_bytes_per_step=int(kv_bytes), bytes_per_step=int(bytes_step))
+             attention=engine.attention, step_ms=1e3 * step_s, tokens_per_s=batch / step_s,
+             weight_bytes=weight_bytes, kv_bytes_per_step=int(kv_bytes),
+             bytes_per_step=int(bytes_step))
   if ref_gbps:
     row["ref_floor_ms"] = 1e3 * bytes_step / (ref_gbps * 1e9)
     row["roofline_frac_ref"] = bytes_step / (ref_gbps * 1e9) / step_s

@@ -23,7 +23,8 @@ Attention ("jnp", the default off TPU) reads only `w` page-table columns; the ho
 picks `w` per call as the smallest width bucket covering every busy slot's pages
 (engine.page_buckets). "ragged" reads only the u pages busy slots use (softmax per slot
 by segment max / sum), whatever the mix of lengths; "pallas_tpu" hands the page table
-and lengths to JAX's Pallas TPU kernel, which stops at each slot's length itself.
+and lengths to JAX's Pallas TPU kernel, which stops at each slot's length itself;
+"pallas_gpu" is rl_jax's Pallas GPU kernel (paged_attention_gpu.py), likewise.
 
 Sampling: the sampled token's log-prob is z[token] - logsumexp(z) with z the logits
 actually sampled from (after temperature and truncation), no full log-softmax.
@@ -38,10 +39,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from rl_jax.model import transformer as tfm
+from rl_jax.sampler import paged_attention_gpu
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 LAYER_MODES = ("unrolled", "scan")
-ATTENTION_IMPLS = ("jnp", "pallas_tpu", "ragged")
+ATTENTION_IMPLS = ("jnp", "pallas_tpu", "pallas_gpu", "ragged")
 NULL_PAGE = 0  # absorbs the writes of idle slots (page_table.NULL_PAGE)
 
 
@@ -87,11 +89,15 @@ def resolve_layers(mode: str) -> str:
 
 def resolve_attention(impl: str, backend: str | None = None) -> str:
   """"auto" -> "pallas_tpu" on TPU (JAX's Pallas paged-attention kernel), else "jnp"
-  (a page-table gather at the [k, n, p, d] layout)."""
+  (a page-table gather at the [k, n, p, d] layout); "pallas_gpu" only where it can run
+  (else paged_attention_gpu.KernelUnavailableError, one line)."""
   if impl == "auto":
     return "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "jnp"
   if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"sampler.attention must be auto, jnp, pallas_tpu or ragged, got {impl!r}")
+    raise ValueError(f"sampler.attention must be auto, {', '.join(ATTENTION_IMPLS)}; "
+                     f"got {impl!r}")
+  if impl == "pallas_gpu":
+    paged_attention_gpu.check_backend(backend)
   return impl
 
 
@@ -166,7 +172,7 @@ def _ragged(q_bhd, k_pages_knpd, v_pages_knpd, live, kv_len_b):
 # attention(q_bhd, k_pages_knpd, v_pages_knpd, pages, kv_len_b) -> out_bhd, where pages is
 # the [b, w] page table, or (live_page_u, live_slot_u, live_col_u) for "ragged".
 _ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu,
-              "ragged": _ragged}
+              "pallas_gpu": paged_attention_gpu.paged_attention, "ragged": _ragged}
 
 
 def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, pages, kv_len_b,
