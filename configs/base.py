@@ -56,6 +56,10 @@ def get_config(arg=None):
   c.trainer.grad_clip = 1.0
   c.trainer.micro_batch_size = 0  # rollouts per micro-batch; 0: whole batch at once
   c.trainer.logprob_chunk_len = 128  # positions per lm-head chunk; 0: the whole sequence
+  # Per-device budget for the lm head's saved softmax (micro-batch rows x length x vocab in
+  # the compute dtype, over data x fsdp): within it the backward reuses it, above it the
+  # backward recomputes each chunk's logits (one more head GEMM). 0: always recompute.
+  c.trainer.logprob_save_bytes = 4 * 2**30
   c.trainer.num_minibatches = 1  # optimizer updates per batch
   c.trainer.length_buckets = (64, 128, 256, 512, 1024, 2048, 4096)
   c.trainer.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm

@@ -153,8 +153,3 @@ def token_stats(model_cfg: ModelConfig, params: dict, x_bte: jax.Array, tokens_b
                     entropy_bt=unchunk(entropy_nbc),
                     hit_bt=unchunk(hit_nbc) & ~last_t)
 
-
-def saved_probs_bytes(model_cfg: ModelConfig, *, rows: int, seq_len: int, dtype) -> int:
-  """Bytes token_stats(recompute=False) keeps for the backward: [rows, seq_len, v] probs
-  in the compute dtype."""
-  return rows * seq_len * model_cfg.vocab_size * jnp.dtype(dtype).itemsize

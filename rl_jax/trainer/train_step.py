@@ -35,7 +35,10 @@ over (data, fsdp) this split is a local reshape, no data moves between devices.
 
 Log-probs. Every forward (loss, pi_prox, pi_ref, SFT) takes the model's final hidden
 states and runs the vocabulary projection in chunks of trainer.logprob_chunk_len
-positions under remat (rl_jax.model.head), so a [b, t, v] float32 array never exists.
+positions (rl_jax.model.head), so a [b, t, v] float32 array never exists; its GEMMs take
+compute-dtype operands forward and backward. The backward reuses the forward's softmax
+(compute dtype) when a micro-batch's fits trainer.logprob_save_bytes per device, and
+recomputes the chunk's logits otherwise (Trainer.head_recomputes).
 The step also reports the train/inference mismatch (`grpo.logprob_mismatch`):
 |pi_prox - mu| on the tokens the sampler drew with the very params the step starts from.
 
@@ -241,6 +244,7 @@ class Trainer:
           f"trainer's data-parallel size data*fsdp = {self.dp}")
     self.loss_norm_len = int(loss_norm_len or max(trainer_cfg.length_buckets))
     self.logprob_chunk_len = int(trainer_cfg.logprob_chunk_len)
+    self.logprob_save_bytes = int(trainer_cfg.logprob_save_bytes)
     self.compute_dtype = jnp.dtype(model_cfg.dtype)
     self._traces = {"init": 0, "step": 0, "sft_step": 0, "logprobs": 0, "loss_and_grad": 0}
 
@@ -374,7 +378,15 @@ class Trainer:
     params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
     x_bte = model.hidden_states(self.model_cfg, params, tokens_bt)
     return model.token_stats(self.model_cfg, params, x_bte, tokens_bt,
-                             chunk_len=self.logprob_chunk_len)
+                             chunk_len=self.logprob_chunk_len,
+                             recompute=self.head_recomputes(tokens_bt.shape))
+
+  def head_recomputes(self, shape_bt) -> bool:
+    """Whether the lm head's backward recomputes its logits for a [b, t] micro-batch: the
+    saved softmax (b t v in the compute dtype, rows over data x fsdp) would exceed
+    trainer.logprob_save_bytes per device."""
+    saved = np.prod(shape_bt) * self.model_cfg.vocab_size * self.compute_dtype.itemsize
+    return saved / self.dp > self.logprob_save_bytes
 
   def _chunked_logprobs(self, params, tokens_bt):
     """Log-probs of a whole batch without gradient, one micro-batch at a time."""
