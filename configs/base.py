@@ -14,8 +14,12 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny_char"  # see rl_jax/model/presets.py
   c.model.path = ""  # Hugging Face checkpoint directory; overrides the preset's weights
-  c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-  c.model.param_dtype = "float32"  # trainer master params
+  # Compute dtype: auto | float32 | bfloat16. auto: bfloat16 on GPU/TPU, float32 on CPU.
+  # Trained weights are always float32 masters (and Adam moments) whatever it is.
+  c.model.dtype = "auto"
+  # Storage dtype of frozen weights: the KL reference policy (trainer.kl_beta > 0) and,
+  # with LoRA, the base model: float32 | bfloat16 (half the bytes; cast where used).
+  c.model.param_dtype = "float32"
   # Layer rematerialisation: none | full (recompute each layer in the backward pass) |
   # dots (keep weight-matmul outputs, recompute the rest). Typed `object` so configs
   # written when this was a boolean still load: True means full, False none.

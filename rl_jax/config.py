@@ -391,7 +391,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
 
   check_fields(cfg, base_config())
   _choice(cfg, "rl.mode", ("sync", "async"))
-  _choice(cfg, "model.dtype", ("float32", "bfloat16"))
+  _choice(cfg, "model.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.remat", ("none", "full", "dots"))
   _choice(cfg, "model.attention", ("auto", "jnp", "xla", "cudnn", "splash"))

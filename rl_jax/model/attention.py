@@ -46,10 +46,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rl_jax.errors import UserError
+
 _SPLASH_BLOCKS = (512, 256, 128)
 
 
-class AttentionUnavailable(ValueError):
+class AttentionUnavailable(UserError, ValueError):
   """An explicitly requested kernel cannot run here; the message is one line naming why."""
 
 

@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.model import attention as attention_lib
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer.buckets import pick_bucket
@@ -231,10 +232,17 @@ class Trainer:
 
   def __init__(self, model_cfg, trainer_cfg, mesh, *, total_steps: int,
                sft_learning_rate: float = 1e-3, loss_norm_len: int | None = None):
-    self.model_cfg = model_cfg
     self.cfg = trainer_cfg
     self.mesh = mesh
     self._check_cfg()
+    self.compute_dtype = jnp.dtype(model_cfg.dtype)
+    # The attention kernel every trace of this trainer runs, chosen once (and recorded:
+    # attention_record) at the longest bucket; a later shape it cannot take raises.
+    self.attention = attention_lib.select(
+        model_cfg.attention, self.compute_dtype, mesh.devices.flat[0].platform,
+        (max(trainer_cfg.length_buckets), model_cfg.num_heads, model_cfg.num_kv_heads,
+         model_cfg.head_dim))
+    self.model_cfg = model_cfg.replace(attention=self.attention.name)
     self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
     self.num_minibatches = int(trainer_cfg.num_minibatches)
     self.micro_batch_size = int(trainer_cfg.micro_batch_size)
@@ -245,7 +253,6 @@ class Trainer:
     self.loss_norm_len = int(loss_norm_len or max(trainer_cfg.length_buckets))
     self.logprob_chunk_len = int(trainer_cfg.logprob_chunk_len)
     self.logprob_save_bytes = int(trainer_cfg.logprob_save_bytes)
-    self.compute_dtype = jnp.dtype(model_cfg.dtype)
     self._traces = {"init": 0, "step": 0, "sft_step": 0, "logprobs": 0, "loss_and_grad": 0}
 
     nm = self.num_minibatches
@@ -282,9 +289,11 @@ class Trainer:
                   out_shardings=sh),
           jax.jit(self._make_init(optimizer, from_rng=False),
                   in_shardings=(self.param_shardings,), out_shardings=sh))
-    # The reference is a compute-dtype copy: it only ever runs forward in that dtype.
+    # The reference is frozen: stored in model.param_dtype, cast to the compute dtype
+    # where it runs (forward only).
+    ref_dtype = jnp.dtype(model_cfg.param_dtype)
     self._make_ref = jax.jit(
-        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(self.compute_dtype)), p),
+        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(ref_dtype)), p),
         in_shardings=(self.param_shardings,), out_shardings=self.param_shardings)
     self._step = jax.jit(
         self._train_step, in_shardings=(self.state_shardings, grpo_sh, ref_sh, self.replicated),
@@ -335,6 +344,13 @@ class Trainer:
     """Rows per step are padded to a multiple of this: num_minibatches x micro-batch rows."""
     return self.num_minibatches * (self.micro_batch_size or self.dp)
 
+  def attention_record(self) -> dict[str, str]:
+    """The attention kernel the train step runs, as summary.json, metrics and the bench
+    record it: kernel, the model.attention asked for, and why auto fell back ("")."""
+    return dict(attention_kernel=self.attention.name,
+                attention_requested=self.attention.requested,
+                attention_fallback=self.attention.fallback_reason)
+
   @property
   def compile_count(self) -> int:
     """Traces of the jitted functions (each trace is one compilation)."""
@@ -343,7 +359,8 @@ class Trainer:
   def _make_init(self, optimizer, *, from_rng: bool):
     def init(x):
       self._traces["init"] += 1
-      params = model.init_params(self.model_cfg, x) if from_rng else x
+      master_cfg = self.model_cfg.replace(param_dtype="float32")
+      params = model.init_params(master_cfg, x) if from_rng else x
       # Copy so the state never aliases the caller's params (the step donates it).
       params = jax.tree.map(lambda p: jnp.copy(p.astype(jnp.float32)), params)
       return TrainState(params=params, opt_state=optimizer.init(params),
