@@ -62,6 +62,11 @@ class Kernel(NamedTuple):
   requested: str  # ModelConfig.attention
   fallback_reason: str
 
+  def record(self) -> dict[str, str]:
+    """As summary.json, metrics and the bench JSON record it."""
+    return dict(attention_kernel=self.name, attention_requested=self.requested,
+                attention_fallback=self.fallback_reason)
+
 
 def _is_half(dtype) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

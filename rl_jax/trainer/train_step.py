@@ -236,8 +236,8 @@ class Trainer:
     self.mesh = mesh
     self._check_cfg()
     self.compute_dtype = jnp.dtype(model_cfg.dtype)
-    # The attention kernel every trace of this trainer runs, chosen once (and recorded:
-    # attention_record) at the longest bucket; a later shape it cannot take raises.
+    # The attention kernel every trace of this trainer runs, chosen once at the longest
+    # bucket (recorded from self.attention); a later shape it cannot take raises.
     self.attention = attention_lib.select(
         model_cfg.attention, self.compute_dtype, mesh.devices.flat[0].platform,
         (max(trainer_cfg.length_buckets), model_cfg.num_heads, model_cfg.num_kv_heads,
@@ -343,13 +343,6 @@ class Trainer:
   def batch_multiple(self) -> int:
     """Rows per step are padded to a multiple of this: num_minibatches x micro-batch rows."""
     return self.num_minibatches * (self.micro_batch_size or self.dp)
-
-  def attention_record(self) -> dict[str, str]:
-    """The attention kernel the train step runs, as summary.json, metrics and the bench
-    record it: kernel, the model.attention asked for, and why auto fell back ("")."""
-    return dict(attention_kernel=self.attention.name,
-                attention_requested=self.attention.requested,
-                attention_fallback=self.attention.fallback_reason)
 
   @property
   def compile_count(self) -> int:
