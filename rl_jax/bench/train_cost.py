@@ -19,7 +19,10 @@ width D; the lm head is part of N, tied or not):
          + 3 * 2 * (2 * b * t^2 * H * D) * L      QK^T and PV, forward + backward
 
 The attention term is the full t x t (not halved for the causal mask), like the jnp /
-XLA kernels compute it. Rows are b full-length rows; the CLI prints the issue-26 shape.
+xla kernels compute it. Rows are b full-length rows; the CLI prints the issue-26 shape.
+Attention runs the kernel the Trainer selects on this host: on CPU `xla`, whose matmuls
+are dot_generals and counted; cuDNN (GPU) and splash (TPU) are custom calls, so a walk
+traced there leaves attention out of total_tflop.
 
   python -m rl_jax.bench.train_cost --preset qwen2_0_5b --batch 16 --seq 1024
 """
