@@ -17,6 +17,7 @@ accumulated in float32, z float32), one pass over z gives
 The gradient is a custom VJP. With g_bc the cotangent of logp_bc,
 
   dz_bcv = g_bc (onehot(next)_bcv - p_bcv)     cast to the compute dtype
+           (at the next token 1 - p = -expm1(logp_bc), from the float32 log-prob)
   dx_bce = dz_bcv @ W^T,   dW = sum over chunks of x_bce^T @ dz_bcv   (float32 accumulation)
 
 so all three GEMMs of the head (forward, dx, dW) take two compute-dtype operands: in
@@ -32,9 +33,11 @@ data-parallel sharding.
 Precision in bfloat16 (against the float32 reference): the forward's only rounding is
 of x and W to bf16 (logits otherwise accumulate in float32); the backward rounds
 dz_bcv to bf16, a relative error <= 2^-9 per element, which is below the rounding of x
-and W themselves. tests/test_head.py measures it on the same bf16-rounded x and W: the
-loss equals the float32 head's, and the largest gradient error is 4.2e-3 (dx) and 3.4e-3
-(dW) of the largest gradient entry (about 2^-8, under the test's bound of 4 * 2^-9).
+and W themselves. (A softmax kept in bf16 has the same relative error per element; its
+next-token entry, where 1 - p would cancel, comes from the float32 log-prob instead.) tests/test_head.py measures it on the same bf16-rounded x and W: the
+loss equals the float32 head's, the largest gradient error is 3.8e-3 (dx) and 4.2e-3 (dW)
+of the largest gradient entry, and at most 2.8e-3 of each confident position's own dx
+(p > 0.99; about 2^-8, under the test's bound of 4 * 2^-9 everywhere).
 """
 from __future__ import annotations
 
@@ -101,28 +104,32 @@ def _chunked_stats(x_nbce, next_nbc, w, spec, recompute):
 
 def _chunked_stats_fwd(x_nbce, next_nbc, w, spec, recompute):
   stats, probs_nbcv = _scan_forward(x_nbce, next_nbc, w, spec, keep_probs=not recompute)
-  return stats, (x_nbce, next_nbc, w, probs_nbcv)
+  return stats, (x_nbce, next_nbc, w, stats[0], probs_nbcv)
 
 
 def _chunked_stats_bwd(spec, recompute, residuals, cotangents):
-  x_nbce, next_nbc, w, probs_nbcv = residuals
+  x_nbce, next_nbc, w, logp_nbc, probs_nbcv = residuals
   g_nbc = cotangents[0]  # entropy and hits carry no gradient
   dtype = x_nbce.dtype
   x_spec, w_spec, z_spec = spec.replace("->", ",").split(",")
   dx_spec, dw_spec = f"{z_spec},{w_spec}->{x_spec}", f"{x_spec},{z_spec}->{w_spec}"
 
   def body(dw, xs):
-    x_bce, next_bc, g_bc, p_bcv = xs
+    x_bce, next_bc, g_bc, logp_bc, p_bcv = xs
     if recompute:
       p_bcv = _chunk_forward(x_bce, next_bc, w, spec)[1]
     onehot_bcv = _onehot(next_bc, p_bcv.shape[-1])
-    dz_bcv = (g_bc[..., None] * (onehot_bcv - p_bcv.astype(jnp.float32))).astype(dtype)
+    # The next token's entry 1 - p is taken from the float32 log-prob: from a bf16 p it
+    # would cancel (p = 0.999 rounds to 1.0 in bf16, and its gradient to 0).
+    dz_bcv = jnp.where(onehot_bcv, -jnp.expm1(logp_bc)[..., None],
+                       -p_bcv.astype(jnp.float32))
+    dz_bcv = (g_bc[..., None] * dz_bcv).astype(dtype)
     dx_bce = jnp.einsum(dx_spec, dz_bcv, w, preferred_element_type=jnp.float32)
     dw = dw + jnp.einsum(dw_spec, x_bce, dz_bcv, preferred_element_type=jnp.float32)
     return dw, dx_bce.astype(dtype)
 
   dw, dx_nbce = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32),
-                             (x_nbce, next_nbc, g_nbc, probs_nbcv))
+                             (x_nbce, next_nbc, g_nbc, logp_nbc, probs_nbcv))
   return dx_nbce, None, dw.astype(w.dtype)
 
 
