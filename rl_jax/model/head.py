@@ -36,7 +36,7 @@ dz_bcv to bf16, a relative error <= 2^-9 per element, which is below the roundin
 and W themselves. (A softmax kept in bf16 has the same relative error per element; its
 next-token entry, where 1 - p would cancel, comes from the float32 log-prob instead.) tests/test_head.py measures it on the same bf16-rounded x and W: the
 loss equals the float32 head's, the largest gradient error is 3.8e-3 (dx) and 4.2e-3 (dW)
-of the largest gradient entry, and at most 2.8e-3 of each confident position's own dx
+of the largest gradient entry, and at most 5.1e-3 of each confident position's own dx
 (p > 0.99; about 2^-8, under the test's bound of 4 * 2^-9 everywhere).
 """
 from __future__ import annotations
@@ -117,13 +117,14 @@ def _chunked_stats_bwd(spec, recompute, residuals, cotangents):
   def body(dw, xs):
     x_bce, next_bc, g_bc, logp_bc, p_bcv = xs
     if recompute:
-      p_bcv = _chunk_forward(x_bce, next_bc, w, spec)[1]
+      p_bcv = _chunk_forward(x_bce, next_bc, w, spec)[1].astype(dtype)
     onehot_bcv = _onehot(next_bc, p_bcv.shape[-1])
     # The next token's entry 1 - p is taken from the float32 log-prob: from a bf16 p it
-    # would cancel (p = 0.999 rounds to 1.0 in bf16, and its gradient to 0).
-    dz_bcv = jnp.where(onehot_bcv, -jnp.expm1(logp_bc)[..., None],
-                       -p_bcv.astype(jnp.float32))
-    dz_bcv = (g_bc[..., None] * dz_bcv).astype(dtype)
+    # would cancel (p = 0.999 rounds to 1.0 in bf16, and its gradient to 0). dz is formed
+    # in the compute dtype: a float32 detour lets XLA hoist one convert of every chunk's
+    # saved softmax out of the loop (3x the saved bytes, measured).
+    dz_bcv = jnp.where(onehot_bcv, (-jnp.expm1(logp_bc)).astype(dtype)[..., None], -p_bcv)
+    dz_bcv = g_bc.astype(dtype)[..., None] * dz_bcv
     dx_bce = jnp.einsum(dx_spec, dz_bcv, w, preferred_element_type=jnp.float32)
     dw = dw + jnp.einsum(dw_spec, x_bce, dz_bcv, preferred_element_type=jnp.float32)
     return dw, dx_bce.astype(dtype)
