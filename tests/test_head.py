@@ -72,15 +72,23 @@ def _chunked_loss(cfg, tokens, w, *, recompute, dtype="float32"):
   return loss
 
 
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved"])
-def test_chunked_gradient_equals_unchunked(setup, recompute):
-  """A GRPO-shaped loss through 5-position chunks vs through the full [b, t, v] logits
-  (token means, so gradients are O(1) and 1e-5 is a float32-level tolerance)."""
+@pytest.fixture(scope="module")
+def full_logits_grad(setup):
+  """Loss weights, and the loss and gradient through the full [b, t, v] logits."""
   cfg, params, tokens = setup
   w = jnp.asarray(np.random.RandomState(2).randn(*tokens.shape), jnp.float32)
   full = lambda p: _grpo_like(_full_logprobs(M.apply(cfg, p, tokens), tokens), w)
+  return w, jax.jit(jax.value_and_grad(full))(params)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "saved"])
+def test_chunked_gradient_equals_unchunked(setup, full_logits_grad, recompute):
+  """A GRPO-shaped loss through 5-position chunks vs through the full [b, t, v] logits
+  (token means, so gradients are O(1) and 1e-5 is a float32-level tolerance)."""
+  cfg, params, tokens = setup
+  w, (l2, g2) = full_logits_grad
   chunked = _chunked_loss(cfg, tokens, w, recompute=recompute)
-  (l1, g1), (l2, g2) = (jax.jit(jax.value_and_grad(f))(params) for f in (chunked, full))
+  l1, g1 = jax.jit(jax.value_and_grad(chunked))(params)
   np.testing.assert_allclose(l1, l2, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
