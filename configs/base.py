@@ -14,8 +14,12 @@ def get_config(arg=None):
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny_char"  # see rl_jax/model/presets.py
   c.model.path = ""  # Hugging Face checkpoint directory; overrides the preset's weights
-  c.model.dtype = "float32"  # compute dtype: float32 | bfloat16
-  c.model.param_dtype = "float32"  # trainer master params
+  # Compute dtype: auto | float32 | bfloat16. auto: bfloat16 on GPU/TPU, float32 on CPU.
+  # Trained weights are always float32 masters (and Adam moments) whatever it is.
+  c.model.dtype = "auto"
+  # Storage dtype of frozen weights: the KL reference policy (trainer.kl_beta > 0) and,
+  # with LoRA, the base model: float32 | bfloat16 (half the bytes; cast where used).
+  c.model.param_dtype = "float32"
   # Layer rematerialisation: none | full (recompute each layer in the backward pass) |
   # dots (keep weight-matmul outputs, recompute the rest). Typed `object` so configs
   # written when this was a boolean still load: True means full, False none.
@@ -56,6 +60,10 @@ def get_config(arg=None):
   c.trainer.grad_clip = 1.0
   c.trainer.micro_batch_size = 0  # rollouts per micro-batch; 0: whole batch at once
   c.trainer.logprob_chunk_len = 128  # positions per lm-head chunk; 0: the whole sequence
+  # Per-device budget for the lm head's saved softmax (micro-batch rows x length x vocab in
+  # the compute dtype, over data x fsdp): within it the backward reuses it, above it the
+  # backward recomputes each chunk's logits (one more head GEMM). 0: always recompute.
+  c.trainer.logprob_save_bytes = 4 * 2**30
   c.trainer.num_minibatches = 1  # optimizer updates per batch
   c.trainer.length_buckets = (64, 128, 256, 512, 1024, 2048, 4096)
   c.trainer.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm

@@ -245,7 +245,7 @@ DOMAINS = {
     "trainer.learning_rate": "> 0", "trainer.warmup_steps": ">= 0",
     "trainer.weight_decay": ">= 0", "trainer.b1": "[0, 1)", "trainer.b2": "[0, 1)",
     "trainer.grad_clip": ">= 0", "trainer.micro_batch_size": ">= 0",
-    "trainer.logprob_chunk_len": ">= 0",
+    "trainer.logprob_chunk_len": ">= 0", "trainer.logprob_save_bytes": ">= 0",
     "trainer.num_minibatches": ">= 1", "trainer.eps_low": "[0, 1]", "trainer.eps_high": ">= 0",
     "trainer.tis_cap": ">= 0", "trainer.kl_beta": ">= 0", "trainer.loss_norm_len": ">= 0",
     "rl.total_steps": ">= 1", "rl.groups_per_step": ">= 1", "rl.group_size": ">= 2",
@@ -274,6 +274,7 @@ _DOMAIN_NOTES = {
     "trainer.grad_clip": "0 = off",
     "trainer.loss_norm_len": "0 = sampler.max_new_tokens",
     "trainer.logprob_chunk_len": "0 = whole sequence",
+    "trainer.logprob_save_bytes": "0 = always recompute the lm head's logits",
     "rl.max_staleness": "0 = on-policy only", "rl.max_inflight_groups": "-1 = auto",
     "rl.group_size": "group advantages compare completions of one prompt",
     "checkpoint.every": "0 = off", "rl.eval_every": "0 = only at start and end",
@@ -390,7 +391,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
 
   check_fields(cfg, base_config())
   _choice(cfg, "rl.mode", ("sync", "async"))
-  _choice(cfg, "model.dtype", ("float32", "bfloat16"))
+  _choice(cfg, "model.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.remat", ("none", "full", "dots"))
   _choice(cfg, "model.attention", ("auto", "jnp", "xla", "cudnn", "splash"))

@@ -73,31 +73,88 @@ def test_right_padding_does_not_leak(impl):
                              atol=1e-5, rtol=0)
 
 
-def test_resolve_by_backend_and_dtype():
-  bf16, f32 = jnp.bfloat16, jnp.float32
-  assert attention.resolve("auto", bf16, "gpu") == "cudnn"
-  assert attention.resolve("auto", jnp.float16, "gpu") == "cudnn"
-  assert attention.resolve("auto", f32, "gpu") == "jnp"
-  assert attention.resolve("auto", bf16, "tpu") == attention.resolve("auto", f32, "tpu") == "splash"
-  assert attention.resolve("auto", bf16, "cpu") == "xla"
-  assert attention.resolve("cudnn", f32, "gpu") == "xla"  # cuDNN takes 16-bit inputs only
-  assert attention.resolve("cudnn", bf16, "gpu") == "cudnn"
-  assert attention.resolve("jnp", bf16, "gpu") == "jnp"
+SHAPE = (8, 4, 2, 8)  # (t, h, k, d) for select
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN works here")
-def test_cudnn_off_gpu_raises_unless_auto_falls_back():
-  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(1, 8, 4, 2, 8))
-  with pytest.raises(Exception):
-    attention.fused_causal_attention(q, k, v, implementation="cudnn")
-  calls = []
+@pytest.fixture
+def cudnn_says(monkeypatch):
+  """Sets what the cuDNN probe reports ("" = it compiles) for fresh select() calls."""
+  def set_reason(reason):
+    monkeypatch.setattr(attention, "_cudnn_rejection", lambda dtype, shape: reason)
+    attention.select.cache_clear()
+  yield set_reason
+  attention.select.cache_clear()
 
-  def fallback(q, k, v):
-    calls.append(q.shape)
-    return M.causal_attention(q, k, v, implementation="jnp")
-  got = attention.fused_causal_attention(q, k, v, implementation="cudnn", fallback=fallback)
-  assert calls == [q.shape]
-  np.testing.assert_array_equal(got, M.causal_attention(q, k, v, implementation="jnp"))
+
+def test_select_by_backend_and_dtype(cudnn_says):
+  cudnn_says("")
+  bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  pick = lambda impl, dtype, backend: attention.select(impl, dtype, backend, SHAPE).name
+  assert pick("auto", bf16, "gpu") == pick("auto", jnp.dtype(jnp.float16), "gpu") == "cudnn"
+  assert pick("auto", f32, "gpu") == "jnp"
+  assert pick("auto", bf16, "tpu") == pick("auto", f32, "tpu") == "splash"
+  assert pick("auto", bf16, "cpu") == "xla"
+  assert pick("cudnn", bf16, "gpu") == "cudnn"
+  assert pick("jnp", bf16, "gpu") == "jnp"
+  assert attention.select("auto", bf16, "gpu", SHAPE).fallback_reason == ""
+
+
+def test_explicit_kernel_that_cannot_run_stops_with_one_line(cudnn_says):
+  cudnn_says("RuntimeError: cuDNN is not detected.")
+  bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  for args, why in (((bf16, "cpu"), "needs a GPU; the backend is cpu"),
+                    ((f32, "gpu"), "takes bfloat16 or float16 inputs; the compute dtype is "
+                                   "float32"),
+                    ((bf16, "gpu"), "cannot run at .* cuDNN is not detected")):
+    with pytest.raises(attention.AttentionUnavailable, match=why) as e:
+      attention.select("cudnn", *args, SHAPE)
+    assert "\n" not in str(e.value)
+
+
+def test_auto_falls_back_with_one_warning_and_records_why(cudnn_says, caplog):
+  cudnn_says("NotImplementedError: head_dim 8 unsupported")
+  bf16 = jnp.dtype(jnp.bfloat16)
+  with caplog.at_level("WARNING"):
+    kernels = {attention.select("auto", bf16, "gpu", SHAPE) for _ in range(3)}
+  assert kernels == {attention.Kernel("xla", "auto",
+                                      "cudnn: NotImplementedError: head_dim 8 unsupported")}
+  warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warnings) == 1 and "head_dim 8 unsupported); using xla" in warnings[0]
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN may work here")
+def test_cudnn_probe_reports_why_off_gpu():
+  """The real probe: jax's cuDNN path refuses on this backend, and says why in one line."""
+  reason = attention._cudnn_rejection(jnp.dtype(jnp.bfloat16), SHAPE)
+  assert reason and "\n" not in reason
+
+
+def test_xla_kernel_gemms_are_bf16_forward_and_backward():
+  """In bfloat16 the xla kernel's QK^T and PV and all four backward GEMMs take two bf16
+  operands (the cotangents are rounded like a flash kernel's), and its gradients stay
+  within bf16 rounding of the float32 kernel's."""
+  q, k, v = (jnp.asarray(x) for x in _qkv(2, 13, 6, 2, 8, seed=1))
+  w = jnp.asarray(np.random.RandomState(2).randn(2, 13, 6, 8), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(w * attention.materialised_causal_attention(q, k, v))
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  as16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  jaxpr = jax.make_jaxpr(grad)(*as16).jaxpr
+  dots = []
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "dot_general":
+        dots.append(tuple(str(x.aval.dtype) for x in eqn.invars))
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else [value]:
+          if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+            walk(getattr(sub, "jaxpr", sub))
+  walk(jaxpr)
+  assert len(dots) == 6 and set(dots) == {("bfloat16", "bfloat16")}
+  g16 = jax.jit(grad)(*as16)
+  g32 = jax.jit(grad)(*(x.astype(jnp.float32) for x in as16))
+  for a, b in zip(g16, g32):
+    assert float(jnp.abs(a.astype(jnp.float32) - b).max()) < 2 ** -6 * float(jnp.abs(b).max())
 
 
 def test_config_rejects_unknown_kernel_and_remat_policy():

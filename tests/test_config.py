@@ -131,6 +131,10 @@ def test_bad_file_and_variant(tmp_path):
     ("mesh.trainer.pipeline", 2, ["mesh.trainer.pipeline", "data, fsdp, tensor"]),
     ("model.attention", "flash", ["model.attention", "'cudnn'", "'splash'"]),
     ("model.remat", "some", ["model.remat", "'none', 'full', 'dots'"]),
+    ("model.dtype", "float16", ["model.dtype", "'auto', 'float32', 'bfloat16'"]),
+    ("model.param_dtype", "auto", ["model.param_dtype", "'float32', 'bfloat16'"]),
+    ("trainer.logprob_save_bytes", -1, ["trainer.logprob_save_bytes", ">= 0",
+                                        "always recompute"]),
     ("trainer.logprob_chunk_len", -1, ["trainer.logprob_chunk_len", ">= 0"]),
     ("env.max_total_tokens", 64, ["env.max_total_tokens", "sampler.max_new_tokens (8)"]),
     ("env.tool.latency", "gamma", ["env.tool.latency", "'lognormal'"]),
@@ -246,3 +250,16 @@ def test_legacy_boolean_remat_maps_to_a_policy(tmp_path):
   cfg, _ = load("--config.model.remat=dots", "--config.model.attention=xla")
   config_lib.validate(cfg, num_devices=8)
   assert (cfg.model.remat, cfg.model.attention) == ("dots", "xla")
+
+
+def test_model_dtype_auto_resolves_by_backend():
+  """The default compute dtype is auto: bf16 on GPU / TPU, float32 on CPU (this host)."""
+  from rl_jax import model as model_lib
+  from rl_jax.model.presets import resolve_dtype
+  cfg, _ = load()
+  assert cfg.model.dtype == "auto" and cfg.model.param_dtype == "float32"
+  assert [resolve_dtype("auto", b) for b in ("gpu", "tpu", "cpu")] == [
+      "bfloat16", "bfloat16", "float32"]
+  assert resolve_dtype("float32", "gpu") == "float32"
+  model_cfg, _ = model_lib.from_run_config(cfg.model)
+  assert (model_cfg.dtype, model_cfg.param_dtype) == ("float32", "float32")

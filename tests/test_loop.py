@@ -70,6 +70,9 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
               "trainer_busy_frac"):
     assert key in on_disk, key
   assert on_disk["optimizer_steps"] == cfg.rl.total_steps
+  # The attention kernel that ran (auto on CPU: xla, no fallback), in summary and metrics.
+  assert (on_disk["attention_kernel"], on_disk["attention_requested"],
+          on_disk["attention_fallback"]) == ("xla", "auto", "")
   assert 0 < on_disk["sampler_busy_frac"] <= 1 and 0 < on_disk["trainer_busy_frac"] <= 1
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   keys = set().union(*rows)
@@ -77,6 +80,8 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
                  "policy/", "optim/", "reward/", "cost/"):
     assert any(k.startswith(prefix) for k in keys), prefix
   assert [r["step"] for r in rows if "optim/loss" in r] == list(range(1, cfg.rl.total_steps + 1))
+  assert {(r["trainer/attention_kernel"], r["trainer/attention_fallback"])
+          for r in rows if "optim/loss" in r} == {("xla", 0.0)}
 
 
 def test_async_bounded_staleness_and_inflight_updates(tmp_path):

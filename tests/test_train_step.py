@@ -320,14 +320,23 @@ def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention, layers
   assert metrics["logprob_mismatch_tokens"] == 0 and metrics["logprob_mismatch_max"] == 0
 
 
-@pytest.mark.parametrize("chunk, whole_logits", [(8, False), (0, True)])
-def test_step_never_holds_whole_logits(chunk, whole_logits):
+# The saved softmax of the batch below: 8 rows x 32 positions x 100 vocab x 4 bytes.
+_SAVED_PROBS = 8 * 32 * 100 * 4
+
+
+@pytest.mark.parametrize("chunk, save_bytes, whole_logits", [
+    (8, _SAVED_PROBS - 1, False), (8, _SAVED_PROBS, True), (0, 0, True)])
+def test_head_memory_follows_logprob_save_bytes(chunk, save_bytes, whole_logits):
   """The compiled step's largest vocabulary-sized buffer: one chunk's [rows, 8, v] with
-  logprob_chunk_len=8; the whole [rows, t, v] only when the head runs as one chunk."""
+  logprob_chunk_len=8 when the saved softmax would exceed trainer.logprob_save_bytes
+  (the backward recomputes); the whole [rows, t, v] when it fits (kept for the
+  backward) or when the head runs as one chunk."""
   import re
   mcfg = _model_cfg().replace(vocab_size=100)
-  trainer = ts.Trainer(mcfg, _trainer_cfg(logprob_chunk_len=chunk), _mesh((1, 1, 1)),
-                       total_steps=1)
+  trainer = ts.Trainer(mcfg, _trainer_cfg(logprob_chunk_len=chunk,
+                                          logprob_save_bytes=save_bytes),
+                       _mesh((1, 1, 1)), total_steps=1)
+  assert trainer.head_recomputes((8, 32)) == (save_bytes < _SAVED_PROBS)
   state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
   b, t = 8, 32
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)

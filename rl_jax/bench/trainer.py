@@ -78,7 +78,7 @@ def run_train_benchmark(model_cfg, trainer_cfg, *, mesh_shape, batch: int, seq_l
   out = dict(
       bench="train", backend=jax.default_backend(), device=jax.devices()[0].device_kind,
       mesh=list(mesh_shape), params=model.num_params(model_cfg), dtype=model_cfg.dtype,
-      remat=model_cfg.remat, attention=model_cfg.attention,
+      remat=model_cfg.remat, **trainer.attention.record(),
       logprob_chunk_len=trainer.logprob_chunk_len, batch=tb.tokens_bt.shape[0], seq=tb.seq_len,
       micro_batch_size=trainer.micro_batch_size, num_minibatches=trainer.num_minibatches,
       steps=steps, warmup_s=compile_s, step_ms_p50=1e3 * step_s,

@@ -252,8 +252,9 @@ def from_run_config(section, *, weights: bool = False,
                     weights_dtype: str = "float32") -> tuple[ModelConfig, dict | None]:
   """The model a run's `model` config section names: model.path's Hugging Face config
   (its params too, host arrays of `weights_dtype`, when `weights`) or model.preset
-  (params None), with the section's dtype, param_dtype, remat and attention."""
-  from rl_jax.model.presets import get_preset
+  (params None), with the section's dtype ("auto" resolved for this backend),
+  param_dtype, remat and attention."""
+  from rl_jax.model.presets import get_preset, resolve_dtype
   params = None
   if not section.path:
     mc = get_preset(section.preset)
@@ -262,7 +263,7 @@ def from_run_config(section, *, weights: bool = False,
   else:
     where = os.path.join(section.path, "config.json")
     mc = config_from_hf(_read_json(where), where=where)
-  return mc.replace(dtype=section.dtype, param_dtype=section.param_dtype,
+  return mc.replace(dtype=resolve_dtype(section.dtype), param_dtype=section.param_dtype,
                     remat=section.remat, attention=section.attention), params
 
 

@@ -129,6 +129,15 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def resolve_dtype(name: str, backend: str | None = None) -> str:
+  """A config's compute dtype: "auto" is bfloat16 on GPU and TPU (the matmul rate; the
+  trainer keeps float32 master params) and float32 on CPU (where bf16 arithmetic is
+  emulated and slower); any other name is returned as is."""
+  if name != "auto":
+    return name
+  return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
+
+
 def get_preset(name: str) -> ModelConfig:
   """The preset called `name`; ValueError naming the allowed ones otherwise."""
   if name not in PRESETS:

@@ -132,12 +132,10 @@ def causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
   each; "auto" picks by backend and q's dtype). `mask_bts` further restricts keys and
   always takes the materialised jnp path.
   """
-  impl = attention.resolve(implementation, q_bthd.dtype)
+  impl = attention.resolve(implementation, q_bthd, k_btkd)
   if impl == "jnp" or mask_bts is not None:
     return _jnp_causal_attention(q_bthd, k_btkd, v_btkd, mask_bts)
-  fallback = _jnp_causal_attention if implementation == "auto" else None
-  return attention.fused_causal_attention(q_bthd, k_btkd, v_btkd, implementation=impl,
-                                          fallback=fallback)
+  return attention.fused_causal_attention(q_bthd, k_btkd, v_btkd, implementation=impl)
 
 
 def _causal_attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation="auto"):

@@ -260,6 +260,9 @@ class Pipeline:
                        heldout=(self.heldout_initial, heldout),
                        generator=self.worker.generator, queue=self.queue.snapshot(),
                        sync_bytes=self.weight_sync.bytes)
+    attn = self.trainer.attention.record()
+    row.update({"trainer/attention_kernel": attn["attention_kernel"],
+                "trainer/attention_fallback": float(bool(attn["attention_fallback"]))})
     self.writer.write(step, row)
     self.console.line(row)
 
@@ -280,6 +283,7 @@ class Pipeline:
         wall=wall, step=step, version=self.version,
         heldout=(self.heldout_initial, heldout_final), curve=self.curve,
         max_queue_depth=self.queue.max_depth_seen, groups_in_flight=in_flight)
+    summary.update(self.trainer.attention.record())
     if self.env is not None:
       self._note_tool_rate(step, wall)
       summary.update(self.acc.env_summary(), heldout_tool_call_rate_curve=self.tool_curve,

@@ -35,7 +35,10 @@ over (data, fsdp) this split is a local reshape, no data moves between devices.
 
 Log-probs. Every forward (loss, pi_prox, pi_ref, SFT) takes the model's final hidden
 states and runs the vocabulary projection in chunks of trainer.logprob_chunk_len
-positions under remat (rl_jax.model.head), so a [b, t, v] float32 array never exists.
+positions (rl_jax.model.head), so a [b, t, v] float32 array never exists; its GEMMs take
+compute-dtype operands forward and backward. The backward reuses the forward's softmax
+(compute dtype) when a micro-batch's fits trainer.logprob_save_bytes per device, and
+recomputes the chunk's logits otherwise (Trainer.head_recomputes).
 The step also reports the train/inference mismatch (`grpo.logprob_mismatch`):
 |pi_prox - mu| on the tokens the sampler drew with the very params the step starts from.
 
@@ -59,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.model import attention as attention_lib
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer.buckets import pick_bucket
@@ -228,10 +232,17 @@ class Trainer:
 
   def __init__(self, model_cfg, trainer_cfg, mesh, *, total_steps: int,
                sft_learning_rate: float = 1e-3, loss_norm_len: int | None = None):
-    self.model_cfg = model_cfg
     self.cfg = trainer_cfg
     self.mesh = mesh
     self._check_cfg()
+    self.compute_dtype = jnp.dtype(model_cfg.dtype)
+    # The attention kernel every trace of this trainer runs, chosen once at the longest
+    # bucket (recorded from self.attention); a later shape it cannot take raises.
+    self.attention = attention_lib.select(
+        model_cfg.attention, self.compute_dtype, mesh.devices.flat[0].platform,
+        (max(trainer_cfg.length_buckets), model_cfg.num_heads, model_cfg.num_kv_heads,
+         model_cfg.head_dim))
+    self.model_cfg = model_cfg.replace(attention=self.attention.name)
     self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
     self.num_minibatches = int(trainer_cfg.num_minibatches)
     self.micro_batch_size = int(trainer_cfg.micro_batch_size)
@@ -241,7 +252,7 @@ class Trainer:
           f"trainer's data-parallel size data*fsdp = {self.dp}")
     self.loss_norm_len = int(loss_norm_len or max(trainer_cfg.length_buckets))
     self.logprob_chunk_len = int(trainer_cfg.logprob_chunk_len)
-    self.compute_dtype = jnp.dtype(model_cfg.dtype)
+    self.logprob_save_bytes = int(trainer_cfg.logprob_save_bytes)
     self._traces = {"init": 0, "step": 0, "sft_step": 0, "logprobs": 0, "loss_and_grad": 0}
 
     nm = self.num_minibatches
@@ -278,9 +289,11 @@ class Trainer:
                   out_shardings=sh),
           jax.jit(self._make_init(optimizer, from_rng=False),
                   in_shardings=(self.param_shardings,), out_shardings=sh))
-    # The reference is a compute-dtype copy: it only ever runs forward in that dtype.
+    # The reference is frozen: stored in model.param_dtype, cast to the compute dtype
+    # where it runs (forward only).
+    ref_dtype = jnp.dtype(model_cfg.param_dtype)
     self._make_ref = jax.jit(
-        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(self.compute_dtype)), p),
+        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(ref_dtype)), p),
         in_shardings=(self.param_shardings,), out_shardings=self.param_shardings)
     self._step = jax.jit(
         self._train_step, in_shardings=(self.state_shardings, grpo_sh, ref_sh, self.replicated),
@@ -339,7 +352,8 @@ class Trainer:
   def _make_init(self, optimizer, *, from_rng: bool):
     def init(x):
       self._traces["init"] += 1
-      params = model.init_params(self.model_cfg, x) if from_rng else x
+      master_cfg = self.model_cfg.replace(param_dtype="float32")
+      params = model.init_params(master_cfg, x) if from_rng else x
       # Copy so the state never aliases the caller's params (the step donates it).
       params = jax.tree.map(lambda p: jnp.copy(p.astype(jnp.float32)), params)
       return TrainState(params=params, opt_state=optimizer.init(params),
@@ -374,7 +388,15 @@ class Trainer:
     params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
     x_bte = model.hidden_states(self.model_cfg, params, tokens_bt)
     return model.token_stats(self.model_cfg, params, x_bte, tokens_bt,
-                             chunk_len=self.logprob_chunk_len)
+                             chunk_len=self.logprob_chunk_len,
+                             recompute=self.head_recomputes(tokens_bt.shape))
+
+  def head_recomputes(self, shape_bt) -> bool:
+    """Whether the lm head's backward recomputes its logits for a [b, t] micro-batch: the
+    saved softmax (b t v in the compute dtype, rows over data x fsdp) would exceed
+    trainer.logprob_save_bytes per device."""
+    saved = np.prod(shape_bt) * self.model_cfg.vocab_size * self.compute_dtype.itemsize
+    return saved / self.dp > self.logprob_save_bytes
 
   def _chunked_logprobs(self, params, tokens_bt):
     """Log-probs of a whole batch without gradient, one micro-batch at a time."""
