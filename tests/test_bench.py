@@ -273,8 +273,8 @@ def test_cost_section_small_against_independent_counts():
 
 
 def test_cost_train_rows_from_train_cost_or_a_skip_note(monkeypatch):
-  """Until rl_jax.bench.train_cost exists the train row is a skip note; with it, the
-  row is its dict and the table prints it."""
+  """A missing module makes the train row a skip note naming it; otherwise the row is
+  train_cost's dict and the table prints it."""
   import sys
   import types
   from rl_jax.bench import cost

@@ -178,18 +178,15 @@ def decode_rows(model_cfg, *, batch: int, sizes, dtype: str, tag: str = "") -> l
 
 
 def train_row(model_cfg, sizes, *, dtype: str, remat: str, logprob_chunk: int) -> dict:
-  """The train step's matmul FLOPs by operand dtype (rl_jax.bench.train_cost)."""
+  """The train step's matmul FLOPs by operand dtype (rl_jax.bench.train_cost); a skip
+  note naming the module where one is missing (train_cost reads configs/base.py, which
+  needs ml_collections, absent from a bare GPU image)."""
   try:
     train_cost = importlib.import_module("rl_jax.bench.train_cost")
-  except ModuleNotFoundError as e:
-    if e.name != "rl_jax.bench.train_cost":
-      raise
-    return dict(skipped="train rows need rl_jax.bench.train_cost")
-  try:
     row = train_cost.train_step_matmul(
         model_cfg, batch=sizes.train_batch, seq=sizes.train_seq, dtype=dtype, remat=remat,
         micro_batch=sizes.train_micro_batch, logprob_chunk=logprob_chunk)
-  except ModuleNotFoundError as e:  # e.g. ml_collections, for configs/base.py
+  except ModuleNotFoundError as e:
     return dict(skipped=f"train rows need {e.name}")
   return dict(row, batch=sizes.train_batch, seq=sizes.train_seq, dtype=dtype, remat=remat,
               micro_batch=sizes.train_micro_batch, logprob_chunk=logprob_chunk)
