@@ -140,7 +140,7 @@ def _scatter_prompts(state, k_lkntd, v_lkntd, true_length_n, pages_nm, *, page_s
   slot_nt = jnp.broadcast_to(pos_t % page_size, page_nt.shape)
 
   def write(pool, x_kntd):  # pool [..., n_pool, p, d], x [..., n, t, d]
-    return pool.at[..., page_nt, slot_nt, :].set(x_kntd)
+    return decode.pool_set(pool, np.s_[..., page_nt, slot_nt, :], x_kntd)
 
   return state._replace(
       k_pages=jax.tree.map(write, state.k_pages, _layer_values(state.k_pages, k_lkntd)),
@@ -333,11 +333,11 @@ class Engine:
   def _state_shapes(self) -> DecodeState:
     cfg, b = self.model_cfg, self._slots
     layer_pool = (cfg.num_kv_heads, self.num_pages, self.page_size, cfg.head_dim)
+    pool_dtype = decode.pool_dtype(self.kv_dtype)
     if self.layers == "unrolled":
-      pool = tuple(jax.ShapeDtypeStruct(layer_pool, self.kv_dtype)
-                   for _ in range(cfg.num_layers))
+      pool = tuple(jax.ShapeDtypeStruct(layer_pool, pool_dtype) for _ in range(cfg.num_layers))
     else:
-      pool = jax.ShapeDtypeStruct((cfg.num_layers,) + layer_pool, self.kv_dtype)
+      pool = jax.ShapeDtypeStruct((cfg.num_layers,) + layer_pool, pool_dtype)
     raw_key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
 
     def vec(dtype):
