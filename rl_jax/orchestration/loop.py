@@ -390,10 +390,11 @@ class Pipeline:
         self.engine, pub.params, version=self.version, sampling=self.sampling,
         inflight_weight_updates=self.cfg.rl.inflight_weight_updates)
     self.worker.requested_version = self.version
-    # The held-out evaluator has its own decode state (same engine and compiled code), so
-    # evaluation never disturbs the sequences the RL sampler has in flight.
+    # The held-out evaluator has its own slot registers but borrows the sampler's K/V
+    # pool while the sampler is paused (Generator.lend_pool): same engine and compiled
+    # code, no second pool, and the RL sequences in flight keep their pages.
     self.evaluator = Generator(self.engine, pub.params, version=self.version,
-                               sampling=self.sampling)
+                               sampling=self.sampling, borrows_pool=True)
 
   def evaluate(self) -> float:
     """Greedy held-out reward with the current trainer params; pauses the sampler."""
@@ -403,7 +404,8 @@ class Pipeline:
         with self.schedule.event("evaluate"):
           params, _ = self.weight_sync.transfer(self.state.params, self.version)
           self.evaluator.update_params(params, self.version)
-          completions = self.heldout.generate(self.evaluator)
+          with self.worker.generator.lend_pool(self.evaluator, self.engine.pages_per_seq + 1):
+            completions = self.heldout.generate(self.evaluator)
         result = self.heldout.score(completions)
     finally:
       self.acc.clock.resume()
