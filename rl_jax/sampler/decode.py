@@ -14,7 +14,7 @@ layer's KV write is a scatter into its own donated buffer, so nothing but the wr
 rows moves. With `layers="scan"` the pools are stacked [l, k, n, p, d], the layers run
 in `lax.scan` with the stacked pools in the carry (written in place by a scatter at
 the layer index), which compiles once per layer shape; on a GPU it measured 2.2x
-slower per step than the unrolled loop (shared/measurements/h200-2026-11-30).
+slower per step than the unrolled loop (notes/measurements/h200-2026-11-30).
 
 A step writes the new token's K/V into its page first, then attends over the slot's
 pages with `kv_len_b = position + 1` keys, so the page holding the position must be
