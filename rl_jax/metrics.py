@@ -180,6 +180,10 @@ class Console:
     self.stream = stream or sys.stdout
     self._t0 = time.time()
     self._last = self._t0  # when the last line was printed
+    if enabled and not _COMPILED["listening"]:
+      import jax
+      _COMPILED["listening"] = True
+      jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
   @contextlib.contextmanager
   def heartbeat(self, describe: Callable[[], str], every_s: float = 15.0):
@@ -189,17 +193,13 @@ class Console:
     if not self.enabled:
       yield
       return
-    import jax
-    if not _COMPILED["listening"]:
-      _COMPILED["listening"] = True
-      jax.monitoring.register_event_duration_secs_listener(_count_compile)
     stop = threading.Event()
 
     def beat():
       while not stop.wait(min(every_s, 1.0)):
         if time.time() - self._last >= every_s:
-          self.message(f"{describe()} (XLA compiled {_COMPILED['programs']} programs in "
-                       f"{_COMPILED['seconds']:.0f}s so far)")
+          self.message(f"{describe()} (XLA has compiled {_COMPILED['programs']} programs "
+                       f"in {_COMPILED['seconds']:.0f}s)")
 
     thread = threading.Thread(target=beat, name="console-heartbeat", daemon=True)
     thread.start()

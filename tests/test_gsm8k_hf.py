@@ -151,6 +151,6 @@ def test_console_heartbeat_reports_a_silent_wait():
   with console.heartbeat(describe, every_s=0.01):
     assert beat.wait(60)
   line = out.getvalue().splitlines()[0]
-  assert "held-out evaluation: 3/16 done (XLA compiled" in line, line
+  assert "held-out evaluation: 3/16 done (XLA has compiled" in line, line
   with metrics.Console(enabled=False).heartbeat(describe, every_s=0.01):
     pass
