@@ -43,12 +43,14 @@ published policy versions; a group's staleness is the max over its rollouts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -160,13 +162,52 @@ def truncate_after(path: str, step: int) -> int:
   return len(lines) - len(kept)
 
 
+_COMPILED = {"programs": 0, "seconds": 0.0, "listening": False}  # this process's XLA compiles
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILED["programs"] += 1
+    _COMPILED["seconds"] += seconds
+
+
 class Console:
-  """One progress line per logged step: step, versions, rewards, queue, staleness, rates."""
+  """One progress line per logged step: step, versions, rewards, queue, staleness, rates;
+  one-off messages; and heartbeat lines while something long runs silently."""
 
   def __init__(self, enabled: bool = True, stream=None):
     self.enabled = enabled
     self.stream = stream or sys.stdout
     self._t0 = time.time()
+    self._last = self._t0  # when the last line was printed
+    if enabled and not _COMPILED["listening"]:
+      import jax
+      _COMPILED["listening"] = True
+      jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+  @contextlib.contextmanager
+  def heartbeat(self, describe: Callable[[], str], every_s: float = 15.0):
+    """While the body runs, prints `describe()` and the programs XLA has compiled so far
+    whenever `every_s` seconds pass without a line, so a tailed log shows that a long
+    evaluation, compilation or wait is alive."""
+    if not self.enabled:
+      yield
+      return
+    stop = threading.Event()
+
+    def beat():
+      while not stop.wait(min(every_s, 1.0)):
+        if time.time() - self._last >= every_s:
+          self.message(f"{describe()} (XLA has compiled {_COMPILED['programs']} programs "
+                       f"in {_COMPILED['seconds']:.0f}s)")
+
+    thread = threading.Thread(target=beat, name="console-heartbeat", daemon=True)
+    thread.start()
+    try:
+      yield
+    finally:
+      stop.set()
+      thread.join()
 
   def line(self, m: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -187,7 +228,9 @@ class Console:
                f"(held-out {g('env/heldout_tool_call_rate', '{:.2f}')}) "
                f"parked {g('sampler/parked', '{:d}')}")
     print(text, file=self.stream, flush=True)
+    self._last = time.time()
 
   def message(self, text: str) -> None:
     if self.enabled:
       print(f"[{time.time() - self._t0:7.1f}s] {text}", file=self.stream, flush=True)
+      self._last = time.time()

@@ -390,3 +390,37 @@ def test_prefill_into_pages_equals_one_prefill_per_prompt(engine, params):
     a, b = np.asarray(a)[..., 1:, :, :], np.asarray(b)[..., 1:, :, :]
     assert np.abs(a).sum() > 0
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # batch shape changes rounding
+
+
+def test_bf16_pool_is_written_in_place_on_cpu(params, monkeypatch):
+  """Issue 29: XLA's CPU backend upcast the whole pool of every bf16 KV scatter to f32
+  and back, so a generate call's temporaries (and time) grew with the pool. Stored as
+  uint16 bits on CPU, the fused generate program needs far less than one pool of
+  temporaries and decodes bit for bit what bf16 storage decoded."""
+  from rl_jax.sampler import decode as D
+  from rl_jax.sampler import updates
+
+  def run(eng):
+    p = eng.load_params(params)
+    state = eng.init_decode_state()
+    pool_bytes = sum(x.nbytes for x in jax.tree.leaves((state.k_pages, state.v_pages)))
+    layout = eng.fused_layout._replace(lane=eng.prefill_lane)
+    upd = updates.Pending(eng.max_concurrent_decodes, eng.prefill_lane).pack(layout)
+    program = eng.generate_program(eng.max_concurrent_decodes, eng.pages_per_seq, fused=2)
+    temp = program.lower(p, state, upd).compile().memory_analysis().temp_size_in_bytes
+    alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
+    for slot, prompt in enumerate(PROMPTS):
+      state, _ = start(eng, p, state, alloc, slot, prompt)
+    state, toks, lps, _ = decode(eng, p, state, 4)
+    pools = [np.asarray(D.pool_view(x)) for x in jax.tree.leaves(state.k_pages)]
+    return temp, pool_bytes, toks, lps, pools
+
+  temp, pool_bytes, toks, lps, pools = run(make_engine(dtype="bfloat16", num_pages=16384))
+  assert pools[0].dtype == jnp.bfloat16 and temp < pool_bytes / 8, (temp, pool_bytes)
+  monkeypatch.setattr(D, "pool_dtype", lambda kv_dtype, backend=None: jnp.dtype(kv_dtype))
+  old_temp, _, old_toks, old_lps, old_pools = run(make_engine(dtype="bfloat16", num_pages=16384))
+  assert old_temp > pool_bytes  # the f32 copy of a bf16 pool the CPU scatter made
+  np.testing.assert_array_equal(toks, old_toks)
+  np.testing.assert_array_equal(lps, old_lps)
+  for a, b in zip(pools, old_pools):
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))

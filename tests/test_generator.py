@@ -389,3 +389,38 @@ def test_abort_all_and_generate_keep_accounting(engine, params):
   rest = gen.step() + run(gen)
   assert sorted((r.group_id, r.sample_index) for r in rest) == [(5, 0), (5, 1)]
   assert gen.allocator.num_used == 0
+
+
+def test_lend_pool_evaluates_in_the_samplers_pool(params, stop_id):
+  """Issue 29: the held-out evaluator has no pool of its own; it borrows the sampler's
+  while the sampler is paused. With the pool full of running groups, lending first
+  preempts the youngest until one held-out sequence fits. The evaluator's greedy
+  completions match recompute, its pages all come back, and the lender's rollouts equal
+  those of a run without evaluation (preempted samples re-run with their seeds)."""
+  tight = make_engine(num_pages=12, stop_ids=(CFG.eos_id, stop_id))
+  prompts = [PROMPTS[1], PROMPTS[5]]
+
+  def go(evaluate):
+    gen = G.Generator(tight, params, sampling=SAMPLING)
+    for gid in (3, 4, 6):
+      gen.add_group(gid, PROMPTS[gid], 2, seed=100 + gid, stop_on_eos=False)
+    out = gen.step() + gen.step()
+    if evaluate:
+      ev = G.Generator(tight, params, borrows_pool=True)
+      with gen.lend_pool(ev, tight.pages_per_seq + 1):
+        assert gen.preemptions > 0 and gen.allocator.num_free >= tight.pages_per_seq + 1
+        used = gen.allocator.num_used
+        completions = ev.generate(prompts, max_new_tokens=6)
+        assert gen.allocator.num_used == used
+      ref_t, _ = reference_greedy(lambda i: params, prompts, 6, tight.stop_ids)
+      for got, want in zip(completions, ref_t):
+        np.testing.assert_array_equal(got, want[:-1] if want[-1] in tight.stop_ids else want)
+    out += run(gen, check=check_pages)
+    assert gen.allocator.num_used == 0
+    return {(r.group_id, r.sample_index): r for r in out}
+
+  plain, evaluated = go(False), go(True)
+  assert plain.keys() == evaluated.keys()
+  for key, r in plain.items():
+    np.testing.assert_array_equal(evaluated[key].completion_tokens, r.completion_tokens,
+                                  err_msg=str(key))

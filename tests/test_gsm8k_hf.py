@@ -117,3 +117,40 @@ def test_config_variants_and_one_line_errors(files):
     config_lib.validate(cfg, num_devices=1)
   cfg.task.path = str(files / "train.parquet")
   config_lib.validate(cfg, num_devices=1)
+
+
+def test_cpu_smoke_run_notes_accelerator_sizes_in_one_line(files):
+  """Issue 29: the GPU config run as a CPU smoke test says in one line at start-up that
+  its sizes are an accelerator's (a 4 GiB KV pool, bf16 compute); sizes that suit the
+  backend get no note."""
+  from rl_jax.model import hf_io
+  from rl_jax.orchestration import runtime
+  cfg, _ = config_lib.parse_args(_args(files)[:4])  # the config's own sizes
+  model_cfg, _ = hf_io.from_pretrained(str(files / "ckpt"))
+  note = runtime.cpu_size_note(cfg, model_cfg, "cpu")
+  # A page: 64 tokens x 2 (K, V) x 2 layers x 2 KV heads x 8 dims x 2 bytes = 8 KiB;
+  # 256 slots x 14 pages + the null page = 3,585 pages = 28.0 MiB.
+  assert note.count("\n") == 0 and "4,096 MiB (sampler.kv_cache_bytes)" in note, note
+  assert "at most 28.0 MiB" in note and "model.dtype, sampler.dtype" in note, note
+  assert runtime.cpu_size_note(cfg, model_cfg, "gpu") is None
+  cfg.sampler.kv_cache_bytes, cfg.model.dtype, cfg.sampler.dtype = 2 ** 24, "float32", "auto"
+  assert runtime.cpu_size_note(cfg, model_cfg, "cpu") is None
+
+
+def test_console_heartbeat_reports_a_silent_wait():
+  """Issue 29: while a long evaluation or compilation prints nothing, the console says
+  what is running and how many programs XLA compiled."""
+  import threading
+  from rl_jax import metrics
+  out, beat = io.StringIO(), threading.Event()
+
+  def describe():
+    beat.set()
+    return "held-out evaluation: 3/16 done"
+  console = metrics.Console(stream=out)
+  with console.heartbeat(describe, every_s=0.01):
+    assert beat.wait(60)
+  line = out.getvalue().splitlines()[0]
+  assert "held-out evaluation: 3/16 done (XLA has compiled" in line, line
+  with metrics.Console(enabled=False).heartbeat(describe, every_s=0.01):
+    pass

@@ -28,8 +28,28 @@ def make_cfg(*overrides):
   return config_lib.validate(cfg)
 
 
-def run_pipeline(cfg, workdir):
+def kv_bytes_per_device(pipe) -> int:
+  """The most bytes of live K/V-pool-shaped arrays ([k, n, p, d] per layer, or stacked)
+  that any sampler device holds."""
+  import jax
+  eng, cfg = pipe.engine, pipe.model_cfg
+  tail = (cfg.num_kv_heads, eng.num_pages, eng.page_size, cfg.head_dim)
+  per = {d: 0 for d in pipe.meshes.sampler.devices.flat}
+  for x in jax.live_arrays():
+    if tuple(x.shape[-4:]) == tail:
+      for shard in x.addressable_shards:
+        if shard.device in per:
+          per[shard.device] += shard.data.nbytes
+  return max(per.values())
+
+
+def run_pipeline(cfg, workdir, on_evaluate=None):
+  """Runs the pipeline, capturing every rollout; on_evaluate(pipe) runs after each
+  held-out generation, still inside the evaluation."""
   pipe = loop.Pipeline(cfg, str(workdir))
+  if on_evaluate is not None:
+    generate = pipe.heldout.generate
+    pipe.heldout.generate = lambda gen: (generate(gen), on_evaluate(pipe))[0]
   rollouts = []
   original = pipe.worker.on_rollout_finished
 
@@ -87,8 +107,13 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
 def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
                  "--config.rl.inflight_weight_updates=true")
-  pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
+  kv_bytes = []
+  pipe, summary, rollouts = run_pipeline(
+      cfg, tmp_path, on_evaluate=lambda p: kv_bytes.append(kv_bytes_per_device(p)))
   check_common(pipe, summary, rollouts, tmp_path, max_staleness=1)
+  # Issue 29: the held-out evaluator borrows the sampler's pool (no second pool), so the
+  # sampler devices hold at most sampler.kv_cache_bytes of KV while it evaluates.
+  assert len(kv_bytes) == 3 and 0 < max(kv_bytes) <= cfg.sampler.kv_cache_bytes, kv_bytes
   # admission control: in-flight + queued + being trained never exceeds (S + 1) * B
   assert pipe.queue.policy.max_inflight == 2 * cfg.rl.groups_per_step
   assert summary["mode"] == "async"

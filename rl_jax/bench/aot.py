@@ -5,10 +5,11 @@ inputs (jax.eval_shape; nothing is allocated) and read compiled.memory_analysis(
 peak_bytes = arguments + outputs - aliased (donated) + temporaries: what the program
 holds at once besides other live buffers. The figures come from the backend doing the
 compiling. On a CPU the XLA:CPU compiler upcasts bfloat16 arithmetic to float32 and
-keeps float32 copies of bf16 weights and KV pages in its temporaries, so bf16 temp
-bytes are overstated there; the float32 build of the same program, also compiled on
-CPU, has no such copies and bounds the accelerator's bf16 temporaries from above
-(every dtype-dependent buffer is twice its bf16 size, the float32-only ones equal).
+keeps float32 copies of bf16 weights in its temporaries (not of the KV pools: on CPU
+they are stored as uint16 bits, decode.pool_dtype), so bf16 temp bytes are overstated
+there; the float32 build of the same program, also compiled on CPU, has no such copies
+and bounds the accelerator's bf16 temporaries from above (every dtype-dependent buffer
+is twice its bf16 size, the float32-only ones equal).
 
 Engine and Trainer construction only traces shapes (eval_shape) and builds jitted
 functions; `construct_allocated_bytes` checks that by counting live device bytes

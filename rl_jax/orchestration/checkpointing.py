@@ -165,7 +165,7 @@ class RunCheckpoints:
         "step": step, "train_step": int(train_step), "skipped": int(skipped),
         "version": p.version, "wall_time_s": p.acc.clock.now(),
         "heldout_initial": p.heldout_initial, "heldout_curve": list(p.curve),
-        "heldout_tool_call_rate_curve": list(p.tool_curve),
+        "heldout_tool_call_rate_curve": list(p.tools.curve) if p.tools else [],
         "prompts": prompts, "next_group_id": cut,
         # Every group yields group_size verifier calls, so in sync mode this is the call
         # index the uninterrupted run reaches at the cut; in async mode it is unused yet.
@@ -211,9 +211,8 @@ class RunCheckpoints:
     if kl:
       p.trainer.ref_params = r.ref_params
     p.version = p.worker.trainer_version = int(loop["version"])
-    p.tool_curve = list(loop.get("heldout_tool_call_rate_curve", []))
-    if p.tool_curve:
-      p.acc.heldout_tool_call_rate = p.tool_curve[-1][2]
+    if p.tools is not None:
+      p.tools.restore(loop.get("heldout_tool_call_rate_curve", []))
     p.prompts.set_state(loop["prompts"])
     p.worker.next_group_id = int(loop["next_group_id"])
     # The pool draws each call's injected latency and failure from (seed, call index);

@@ -26,6 +26,9 @@ the pool's callback directly.
 
 Tool failures and timeouts give the model the environment's error observation
 (rl_jax/envs/base.py) and are counted by RunAccounting.tool_result.
+
+`ToolUse` is what such a task adds to the Pipeline (rl_jax/orchestration/loop.py): the
+tool pool, the driver, and the held-out tool-call rate of each evaluation.
 """
 from __future__ import annotations
 
@@ -116,3 +119,40 @@ class EpisodeDriver:
       else:
         self._samples[r.group_id] = left - 1
     return 0 if live is None else live.episode.tool_calls
+
+
+class ToolUse:
+  """A run's tool use, for a task with an environment: the tool pool, the EpisodeDriver
+  the sampler thread runs (`driver`) and the held-out tool-call-rate curve `curve`
+  ([[wall_time_s, step, rate]], checkpointed)."""
+
+  def __init__(self, cfg, env, tokenizer, accounting):
+    from rl_jax import envs
+    from rl_jax.envs.tools import ToolPool
+    self.acc = accounting
+    self.pool = ToolPool(env, cfg.env.tool, seed=cfg.seed)
+    self.driver = EpisodeDriver(env=env, pool=self.pool, tokenizer=tokenizer,
+                                accounting=accounting, budget=envs.episode_budget(cfg))
+    accounting.has_env = True
+    self.curve: list = []
+
+  def restore(self, curve: list) -> None:
+    self.curve = list(curve)
+    if self.curve:
+      self.acc.heldout_tool_call_rate = self.curve[-1][2]
+
+  def heldout(self, result: dict) -> str:
+    """Takes a held-out evaluation's tool-call rate; its console line."""
+    self.acc.heldout_tool_call_rate = result["tool_call_rate"]
+    return (f"held-out: reward {result['reward_mean']:.3f}, accuracy {result['accuracy']:.3f}, "
+            f"tool-call rate {result['tool_call_rate']:.3f}, turns {result['turns_mean']:.2f}")
+
+  def note(self, wall: float, step: int) -> None:
+    """The latest held-out tool-call rate joins the curve."""
+    self.curve.append([wall, step, self.acc.heldout_tool_call_rate])
+
+  def summary(self) -> dict:
+    """summary.json's tool-use entries."""
+    return {**self.acc.env_summary(), "heldout_tool_call_rate_curve": self.curve,
+            "heldout_tool_call_rate_initial": self.curve[0][2],
+            "heldout_tool_call_rate_final": self.curve[-1][2]}

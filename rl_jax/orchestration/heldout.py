@@ -38,6 +38,16 @@ class Heldout:
     return run_episodes(generator, self.env, self.tokenizer, self.examples, self.prompts,
                         max_new_tokens=self.max_new_tokens, sampling=Sampling.greedy())
 
+  def generate_beside(self, evaluator, sampler, console) -> list:
+    """generate(evaluator) with the evaluator (a Generator made with borrows_pool=True)
+    in the paused `sampler` generator's KV pool (Generator.lend_pool: room for one
+    sequence and its prompt's partial page), with heartbeat lines on `console`."""
+    n, done, tokens = len(self.prompts), evaluator.rollouts_finished, evaluator.tokens_generated
+    with sampler.lend_pool(evaluator, evaluator.engine.pages_per_seq + 1), console.heartbeat(
+        lambda: f"held-out evaluation: {evaluator.rollouts_finished - done}/{n} done, "
+                f"{evaluator.tokens_generated - tokens:,} tokens"):
+      return self.generate(evaluator)
+
   def score(self, completions) -> dict:
     """rl_jax.tasks.evaluate of the completions: reward_mean, accuracy, n; episodes also
     give tool_call_rate, tool_calls_mean and turns_mean."""

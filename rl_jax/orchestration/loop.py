@@ -22,18 +22,20 @@ decision is the StalenessPolicy's (rl_jax/orchestration/policy.py):
 Tool use: for a task with an environment (rl_jax/envs) every rollout is an episode of
 model turns and tool observations; the sampler thread parks a sequence at each tool call
 (its slot serves others, its pages stay), runs the call in the tool pool and resumes the
-sequence with the observation (rl_jax/orchestration/episodes.py). Held-out evaluation
-runs whole greedy episodes and also records the held-out tool-call rate.
+sequence with the observation (rl_jax/orchestration/episodes.py, whose ToolUse holds the
+run's tool pool and held-out tool-call rates). Held-out evaluation runs whole greedy
+episodes and also records the held-out tool-call rate.
 
 Staleness of a group at consumption = trainer_version - min over its tokens' versions.
 Held-out evaluation pauses the sampler and the clock, so wall_time_s compares modes on
-the pipeline alone. Counters, the metrics row and summary.json: accounting.py.
-Checkpoints, resume, SIGTERM and failures: checkpointing.py.
+the pipeline alone; its generator borrows the paused sampler's KV pool (no second
+pool). Counters, the metrics row and summary.json: accounting.py. Checkpoints, resume,
+SIGTERM and failures: checkpointing.py. Supervised warm-up: warmstart.py.
 
 Multi-process (jax.distributed): process 0 runs this pipeline and logs every piece of
 device work with its decisions before launching it; the other processes run no sampler
 thread and no verifiers and replay the log through the same `train_step`, admission and
-evaluation code (`multihost.Schedule`, rl_jax/orchestration/multihost.py).
+evaluation code (`multihost.follow`, rl_jax/orchestration/multihost.py).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ import time
 from rl_jax import config as config_lib
 from rl_jax import metrics as metrics_lib
 from rl_jax.errors import UserError
-from rl_jax.orchestration import checkpointing
+from rl_jax.orchestration import checkpointing, warmstart
 from rl_jax.orchestration.accounting import Clock, RunAccounting
 from rl_jax.orchestration.errors import Preempted, RunError
 from rl_jax.orchestration.heldout import make_heldout
@@ -63,18 +65,8 @@ class Pipeline:
 
   def __init__(self, cfg, workdir: str):
     import jax
-    from rl_jax import envs
-    from rl_jax import model as model_lib
     from rl_jax import sharding
-    from rl_jax.data import prompts as prompts_lib
     from rl_jax.orchestration import multihost
-    from rl_jax.sampler.engine import Engine, Sampling
-    from rl_jax.tasks import make_task
-    from rl_jax.envs.tools import ToolPool
-    from rl_jax.orchestration.episodes import EpisodeDriver
-    from rl_jax.tasks.verifier_pool import VerifierPool
-    from rl_jax.trainer.train_step import Trainer
-
     self.cfg, self.workdir = cfg, workdir
     self.policy = StalenessPolicy.from_config(cfg.rl)
     multi = multihost.multi_process()
@@ -82,59 +74,16 @@ class Pipeline:
     # from every process and every process reads the one global prompt stream.
     self.schedule = multihost.Schedule(multihost.EventLog() if multi else None)
     self.meshes = sharding.make_meshes(cfg.mesh, multihost.role_devices() if multi else None)
-    self.model_cfg, init_params = model_lib.from_run_config(cfg.model, weights=True)
-    self.tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
-    self.task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
-    shard = multihost.prompt_shard() if multi else (jax.process_index(), jax.process_count())
-    self.prompts = prompts_lib.make_prompt_source(
-        self.task, cfg.data, self.tokenizer, seed=cfg.seed,
-        process_index=shard[0], process_count=shard[1])
-    self.env = envs.make_env(self.task, cfg.env)
-    if self.env is not None and multi:
-      raise RunError(f"task.name={cfg.task.name!r} uses tools, and tool-using episodes run "
-                     "in a single process for now; run it without jax.distributed")
-    self.heldout = make_heldout(cfg, self.task, self.tokenizer, env=self.env)
-
-    self.trainer = Trainer(self.model_cfg, cfg.trainer, self.meshes.trainer,
-                           total_steps=cfg.rl.total_steps,
-                           sft_learning_rate=cfg.warmstart.learning_rate,
-                           loss_norm_len=cfg.trainer.loss_norm_len or cfg.sampler.max_new_tokens)
-    self.state = self.trainer.init_state(params=init_params, rng=jax.random.PRNGKey(cfg.seed))
-    self.weight_sync = self._make_weight_sync()
-    self.engine = Engine.from_config(cfg.sampler, self.model_cfg, mesh=self.meshes.sampler,
-                                     tokenizer=self.tokenizer)
-    if multi:
-      self.engine = multihost.ReplicatedOutputs(self.engine)
-    self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
-                             top_p=cfg.sampler.top_p)
-    self.evaluator = None  # made with the sampler's generator at the first publication
-
-    self.queue = RolloutQueue(self.policy)
     process0 = jax.process_index() == 0
-    self.writer = metrics_lib.MetricWriter(workdir, cfg.metrics.tensorboard, enabled=process0)
     self.console = metrics_lib.Console(cfg.metrics.console and process0)
-    sampler_ids = {d.id for d in self.meshes.sampler.devices.flat}
-    trainer_ids = {d.id for d in self.meshes.trainer.devices.flat}
-    self.acc = RunAccounting(mode=cfg.rl.mode, sampler_devices=len(sampler_ids),
-                             trainer_devices=len(trainer_ids),
-                             total_devices=len(sampler_ids | trainer_ids))
-    # Followers take process 0's rewards from the event log and verify nothing.
-    self.pool = (None if self.schedule.follower
-                 else VerifierPool(self.task, cfg.verifier, seed=cfg.seed))
-    self.tool_pool, episodes = None, None
-    if self.env is not None:
-      self.tool_pool = ToolPool(self.env, cfg.env.tool, seed=cfg.seed)
-      episodes = EpisodeDriver(env=self.env, pool=self.tool_pool, tokenizer=self.tokenizer,
-                               accounting=self.acc, budget=envs.episode_budget(cfg))
-      self.acc.has_env = True
-    self.worker = SamplerWorker(
-        cfg=cfg, task=self.task, prompts=self.prompts, tokenizer=self.tokenizer,
-        queue=self.queue, policy=self.policy, accounting=self.acc, schedule=self.schedule,
-        pool=self.pool, on_error=self._fail, episodes=episodes)
+    init_params = self._make_data(multi)
+    self._make_models(init_params, multi)
+    self.queue = RolloutQueue(self.policy)
+    self.writer = metrics_lib.MetricWriter(workdir, cfg.metrics.tensorboard, enabled=process0)
+    self._make_workers()
     self.version = 0  # trainer-owned policy version
     self.heldout_initial: float | None = None
     self.curve: list | None = None  # the held-out curve so far; set once RL starts
-    self.tool_curve: list = []  # tool use: [wall_time_s, step, held-out tool-call rate]
     self._error: BaseException | None = None
     self._error_lock = threading.Lock()
     self._consistent = True  # False while a train step owns (donates) self.state
@@ -147,21 +96,83 @@ class Pipeline:
         **{f"prompts_{k}": v for k, v in self.prompts.counters.items()},
         **self.heldout.counters}
 
-  def _make_weight_sync(self):
+  def _make_data(self, multi: bool):
+    """Model config, tokenizer, task, prompt stream, environment and held-out set; the
+    initial params. Notes sizes that make no sense for the backend."""
+    import jax
+    from rl_jax import envs
+    from rl_jax import model as model_lib
+    from rl_jax.data import prompts as prompts_lib
+    from rl_jax.orchestration import multihost, runtime
+    from rl_jax.tasks import make_task
+    cfg = self.cfg
+    self.model_cfg, init_params = model_lib.from_run_config(cfg.model, weights=True)
+    note = runtime.cpu_size_note(cfg, self.model_cfg, jax.default_backend())
+    if note:
+      self.console.message(note)
+    self.tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
+    self.task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
+    shard = multihost.prompt_shard() if multi else (jax.process_index(), jax.process_count())
+    self.prompts = prompts_lib.make_prompt_source(
+        self.task, cfg.data, self.tokenizer, seed=cfg.seed,
+        process_index=shard[0], process_count=shard[1])
+    self.env = envs.make_env(self.task, cfg.env)
+    if self.env is not None and multi:
+      raise RunError(f"task.name={cfg.task.name!r} uses tools, and tool-using episodes run "
+                     "in a single process for now; run it without jax.distributed")
+    self.heldout = make_heldout(cfg, self.task, self.tokenizer, env=self.env)
+    return init_params
+
+  def _make_models(self, init_params, multi: bool) -> None:
+    """Trainer and its state, weight sync, sampler engine."""
     import jax
     from rl_jax import model as model_lib
+    from rl_jax.orchestration import multihost
     from rl_jax.orchestration.weight_sync import LayoutError, WeightSync
+    from rl_jax.sampler.engine import Engine, Sampling
+    from rl_jax.trainer.train_step import Trainer
+    cfg = self.cfg
+    self.trainer = Trainer(self.model_cfg, cfg.trainer, self.meshes.trainer,
+                           total_steps=cfg.rl.total_steps,
+                           sft_learning_rate=cfg.warmstart.learning_rate,
+                           loss_norm_len=cfg.trainer.loss_norm_len or cfg.sampler.max_new_tokens)
+    self.state = self.trainer.init_state(params=init_params, rng=jax.random.PRNGKey(cfg.seed))
     try:
-      return WeightSync(
+      self.weight_sync = WeightSync(
           logical_axes=model_lib.param_logical_axes(self.model_cfg),
           param_shapes=jax.eval_shape(lambda: self.state.params),
           trainer_shardings=self.trainer.param_shardings,
-          sampler_mesh=self.meshes.sampler, sampler_dtype=self.cfg.sampler.dtype,
+          sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
           colocated=self.meshes.colocated)
     except LayoutError as e:
       raise RunError(str(e)) from None
+    self.engine = Engine.from_config(cfg.sampler, self.model_cfg, mesh=self.meshes.sampler,
+                                     tokenizer=self.tokenizer)
+    if multi:
+      self.engine = multihost.ReplicatedOutputs(self.engine)
+    self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
+                             top_p=cfg.sampler.top_p)
+    self.evaluator = None  # made with the sampler's generator at the first publication
 
-  # -- the run -----------------------------------------------------------------------
+  def _make_workers(self) -> None:
+    """Accounting, verifier pool, tool use and the sampler worker."""
+    from rl_jax.orchestration.episodes import ToolUse
+    from rl_jax.tasks.verifier_pool import VerifierPool
+    cfg = self.cfg
+    sampler_ids = {d.id for d in self.meshes.sampler.devices.flat}
+    trainer_ids = {d.id for d in self.meshes.trainer.devices.flat}
+    self.acc = RunAccounting(mode=cfg.rl.mode, sampler_devices=len(sampler_ids),
+                             trainer_devices=len(trainer_ids),
+                             total_devices=len(sampler_ids | trainer_ids))
+    # Followers take process 0's rewards from the event log and verify nothing.
+    self.pool = (None if self.schedule.follower
+                 else VerifierPool(self.task, cfg.verifier, seed=cfg.seed))
+    self.tools = (None if self.env is None
+                  else ToolUse(cfg, self.env, self.tokenizer, self.acc))
+    self.worker = SamplerWorker(
+        cfg=cfg, task=self.task, prompts=self.prompts, tokenizer=self.tokenizer,
+        queue=self.queue, policy=self.policy, accounting=self.acc, schedule=self.schedule,
+        pool=self.pool, on_error=self._fail, episodes=self.tools and self.tools.driver)
 
   def run(self) -> dict:
     """Warm-up (or resume from the newest checkpoint), train, evaluate; the summary.
@@ -180,24 +191,26 @@ class Pipeline:
       self.checkpoints.close(failing=sys.exc_info()[0] is not None)
 
   def _run(self) -> dict:
+    from rl_jax.orchestration import multihost
     resumed = self.checkpoints.restore()
     step = 0 if resumed is None else resumed["step"]
     total = self.cfg.rl.total_steps
     try:
       self._start(resumed)
       if step < total and self.schedule.follower:  # (a resumed run may be done)
-        step = self._follow(step)
+        step = multihost.follow(self, step)
       elif step < total:
         self.schedule.start()
         self.worker.start()
       heldout = self.curve[-1][2]
-      while step < total:
-        groups = self._next_batch()
-        t0 = self.acc.clock.now()
-        tm = self.train_step(groups, publish=self.policy.publishes(step + 1))
-        step += 1
-        self.acc.trainer_busy.add(t0, self.acc.clock.now())
-        heldout = self._after_step(step, groups, tm, heldout)
+      with self.console.heartbeat(self._progress):
+        while step < total:
+          groups = self._next_batch()
+          t0 = self.acc.clock.now()
+          tm = self.train_step(groups, publish=self.policy.publishes(step + 1))
+          step += 1
+          self.acc.trainer_busy.add(t0, self.acc.clock.now())
+          heldout = self._after_step(step, groups, tm, heldout)
       wall = self.acc.clock.now()
       self._stop_workers()  # the sampler logs nothing after the end event
       self.schedule.end()
@@ -219,7 +232,7 @@ class Pipeline:
     self.worker.steps_done = step
     self.worker.sync_admitted = step * self.cfg.rl.groups_per_step
     if resumed is None:
-      self.warmstart()
+      warmstart.run(self)
     self._publish_first()
     if resumed is None:
       self.heldout_initial = self.evaluate()
@@ -227,12 +240,18 @@ class Pipeline:
                            f"{self.heldout_initial:.3f}")
       self.acc.clock = Clock()
       self.curve = [[0.0, 0, self.heldout_initial]]
-      self._note_tool_rate(0)
+      self._note_tool_rate(0.0, 0)
       self.checkpoints.save(step, heldout=self.heldout_initial)
     else:
       self.acc.clock = Clock(start_s=resumed["wall_time_s"])
       self.heldout_initial, self.curve = resumed["heldout_initial"], resumed["heldout_curve"]
     self.worker.reset_verifier_clock()
+
+  def _progress(self) -> str:
+    gen = self.worker.generator
+    return (f"optimizer step {self.worker.steps_done + 1}/{self.cfg.rl.total_steps}: "
+            f"{self.queue.snapshot()['depth']} groups queued, sampler at "
+            f"{gen.tokens_generated:,} tokens and {gen.rollouts_finished:,} rollouts")
 
   def _after_step(self, step: int, groups, tm: dict, heldout):
     """Evaluation, checkpoint and the metrics row after optimizer step `step`."""
@@ -242,7 +261,7 @@ class Pipeline:
     if evaluated:
       heldout = self.evaluate()
       self.curve.append([self.acc.clock.now(), step, heldout])
-      self._note_tool_rate(step)
+      self._note_tool_rate(self.acc.clock.now(), step)
     # The last step is saved after the final evaluation, in _finish. With keep_best every
     # evaluated step is saved, so the best one can be kept.
     every = cfg.checkpoint.every
@@ -284,22 +303,18 @@ class Pipeline:
         heldout=(self.heldout_initial, heldout_final), curve=self.curve,
         max_queue_depth=self.queue.max_depth_seen, groups_in_flight=in_flight)
     summary.update(self.trainer.attention.record())
-    if self.env is not None:
-      self._note_tool_rate(step, wall)
-      summary.update(self.acc.env_summary(), heldout_tool_call_rate_curve=self.tool_curve,
-                     heldout_tool_call_rate_initial=self.tool_curve[0][2],
-                     heldout_tool_call_rate_final=self.tool_curve[-1][2])
+    if self.tools is not None:
+      self.tools.note(wall, step)
+      summary.update(self.tools.summary())
     if self.writer.enabled:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     final_row = {"reward/heldout": heldout_final}
-    if self.env is not None:
+    if self.tools is not None:
       final_row["env/heldout_tool_call_rate"] = self.acc.heldout_tool_call_rate
     self.writer.write(step, final_row)
     self.writer.close()
     return summary
-
-  # -- the trainer's side ------------------------------------------------------------
 
   def _next_batch(self) -> list[Group]:
     """Pulls groups_per_step groups the staleness policy accepts; the rest are discarded."""
@@ -394,10 +409,11 @@ class Pipeline:
         self.engine, pub.params, version=self.version, sampling=self.sampling,
         inflight_weight_updates=self.cfg.rl.inflight_weight_updates)
     self.worker.requested_version = self.version
-    # The held-out evaluator has its own decode state (same engine and compiled code), so
-    # evaluation never disturbs the sequences the RL sampler has in flight.
+    # The held-out evaluator has its own slot registers but borrows the sampler's K/V
+    # pool while the sampler is paused (Generator.lend_pool): same engine and compiled
+    # code, no second pool, and the RL sequences in flight keep their pages.
     self.evaluator = Generator(self.engine, pub.params, version=self.version,
-                               sampling=self.sampling)
+                               sampling=self.sampling, borrows_pool=True)
 
   def evaluate(self) -> float:
     """Greedy held-out reward with the current trainer params; pauses the sampler."""
@@ -407,93 +423,18 @@ class Pipeline:
         with self.schedule.event("evaluate"):
           params, _ = self.weight_sync.transfer(self.state.params, self.version)
           self.evaluator.update_params(params, self.version)
-          completions = self.heldout.generate(self.evaluator)
+          completions = self.heldout.generate_beside(self.evaluator, self.worker.generator,
+                                                     self.console)
         result = self.heldout.score(completions)
     finally:
       self.acc.clock.resume()
-    if "tool_call_rate" in result:
-      self.acc.heldout_tool_call_rate = result["tool_call_rate"]
-      self.console.message(f"held-out: reward {result['reward_mean']:.3f}, accuracy "
-                           f"{result['accuracy']:.3f}, tool-call rate "
-                           f"{result['tool_call_rate']:.3f}, turns {result['turns_mean']:.2f}")
+    if self.tools is not None:
+      self.console.message(self.tools.heldout(result))
     return float(result["reward_mean"])
 
-  def _note_tool_rate(self, step: int, wall: float | None = None) -> None:
-    """Tool use: the latest held-out tool-call rate joins its curve."""
-    if self.env is not None:
-      t = self.acc.clock.now() if wall is None else wall
-      self.tool_curve.append([t, step, self.acc.heldout_tool_call_rate])
-
-  def warmstart(self) -> None:
-    """Supervised warm-up on the task's demonstrations (warmstart.steps > 0)."""
-    import numpy as np
-    from rl_jax.data.prompts import demonstration_tokens, encode_prompt
-    w = self.cfg.warmstart
-    if w.steps <= 0:
-      return
-    rng = np.random.default_rng(self.cfg.seed + 7)
-    sft = self.trainer.init_sft_state(params=self.state.params)
-    for step in range(w.steps):
-      if self._preempt.is_set():
-        raise Preempted()
-      idx = rng.integers(0, self.task.num_train, size=w.batch_size)
-      examples = [self.task.example(int(i)) for i in idx]
-      prompts = [encode_prompt(e.prompt, tokenizer=self.tokenizer,
-                               max_length=self.cfg.data.max_prompt_length)[0] for e in examples]
-      demos = [demonstration_tokens(self.task, e, tokenizer=self.tokenizer) for e in examples]
-      sft, m = self.trainer.sft_step(sft, self.trainer.make_sft_batch(
-          prompts, [d[0] for d in demos], completion_masks=[d[1] for d in demos]))
-      if step % 50 == 0 or step == w.steps - 1:
-        self.console.message(f"warm-up step {step}: loss {m['loss']:.3f} "
-                             f"token accuracy {m['token_accuracy']:.3f}")
-    # RL starts from the warmed-up params with fresh optimizer moments; with kl_beta > 0
-    # they are also the reference policy.
-    self.state = self.trainer.init_state(params=sft.params)
-
-  # -- multi-process followers -------------------------------------------------------
-
-  def _follow(self, step: int) -> int:
-    """Followers: performs process 0's events until its end event; the steps done."""
-    import jax
-    me = jax.process_index()
-
-    def sample(p):
-      for gid in p["gids"]:
-        got = self.worker.admit_one()
-        if got != gid:
-          raise RunError(f"process {me} admitted group {got} where process 0 admitted "
-                         f"{gid}; the processes have diverged")
-      if p["version"] is not None:
-        self.worker.swap_to(p["version"])
-      for r in self.worker.generator.step():
-        self.worker.on_rollout_finished(r)
-
-    def train(p):
-      self.worker.drop_groups(p["discarded"])
-      groups = []
-      for gid, rewards in zip(p["gids"], p["rewards"]):
-        group = self.worker.take_group(gid)
-        if group is None or len(group.rollouts) != len(rewards):
-          raise RunError(f"process {me} lacks the rollouts of group {gid} that process 0 "
-                         f"trains on; the processes have diverged")
-        group.rollouts.sort(key=lambda x: x.sample_index)
-        for r, reward in zip(group.rollouts, rewards):
-          r.reward = float(reward)
-        groups.append(group)
-      tm = self.train_step(groups, publish=p["publish"])
-      self._log_row(self.worker.steps_done, groups, tm, None)  # drains the row's buffers
-
-    def abort(p):
-      self._consistent = bool(p["save"])  # save collectively iff process 0 saves
-
-    self.schedule.follow({
-        "sample": sample, "train": train, "evaluate": lambda p: self.evaluate(),
-        "save": lambda p: self.checkpoints.save(p["step"], heldout=p["heldout"],
-                                                wait=p["wait"]),
-    }, on_abort=abort)
-    return self.worker.steps_done
-
-  # -- failures ----------------------------------------------------------------------
+  def _note_tool_rate(self, wall: float, step: int) -> None:
+    if self.tools is not None:
+      self.tools.note(wall, step)
 
   def _fail(self, e: BaseException) -> None:
     """Any thread: records the first failure and stops the pipeline's threads."""
@@ -513,7 +454,7 @@ class Pipeline:
   def _stop_workers(self) -> None:
     self.worker.stop()
     self.queue.close()
-    for pool in (self.pool, self.tool_pool):
+    for pool in (self.pool, self.tools and self.tools.pool):
       if pool is not None:
         pool.close()
 

@@ -258,3 +258,45 @@ def write_digest(pipeline, summary: dict) -> None:
   }
   with open(f"{path}.{jax.process_index()}", "w") as f:
     json.dump(digest, f)
+
+
+def follow(p, step: int) -> int:
+  """A follower runs pipeline `p` (loop.Pipeline) from optimizer step `step`: performs
+  process 0's events until its end event; the steps done."""
+  me = jax.process_index()
+  worker = p.worker
+
+  def sample(e):
+    for gid in e["gids"]:
+      got = worker.admit_one()
+      if got != gid:
+        raise RunError(f"process {me} admitted group {got} where process 0 admitted "
+                       f"{gid}; the processes have diverged")
+    if e["version"] is not None:
+      worker.swap_to(e["version"])
+    for r in worker.generator.step():
+      worker.on_rollout_finished(r)
+
+  def train(e):
+    worker.drop_groups(e["discarded"])
+    groups = []
+    for gid, rewards in zip(e["gids"], e["rewards"]):
+      group = worker.take_group(gid)
+      if group is None or len(group.rollouts) != len(rewards):
+        raise RunError(f"process {me} lacks the rollouts of group {gid} that process 0 "
+                       f"trains on; the processes have diverged")
+      group.rollouts.sort(key=lambda x: x.sample_index)
+      for r, reward in zip(group.rollouts, rewards):
+        r.reward = float(reward)
+      groups.append(group)
+    tm = p.train_step(groups, publish=e["publish"])
+    p._log_row(worker.steps_done, groups, tm, None)  # drains the row's buffers
+
+  def abort(e):
+    p._consistent = bool(e["save"])  # save collectively iff process 0 saves
+
+  p.schedule.follow({
+      "sample": sample, "train": train, "evaluate": lambda e: p.evaluate(),
+      "save": lambda e: p.checkpoints.save(e["step"], heldout=e["heldout"], wait=e["wait"]),
+  }, on_abort=abort)
+  return worker.steps_done

@@ -5,9 +5,9 @@ Sizes (bytes; N = parameters, b(x) = bytes per element of dtype x):
   KV per token   = 2 (K and V) * layers * kv_heads * head_dim * b(sampler.dtype)
   KV pool        = sampler.num_pages * page_size * KV per token, or
                    sampler.kv_cache_bytes when num_pages = 0 (per sampler replica)
-  sampler device = 2 * (N * b(sampler.dtype) + KV pool) / tensor
-                   (the RL generator and the held-out evaluator each hold a weight copy
-                   and a KV pool on the sampler mesh)
+  sampler device = (2 * N * b(sampler.dtype) + KV pool) / tensor
+                   (the RL generator and the held-out evaluator each hold a weight copy;
+                   the evaluator borrows the generator's KV pool, Generator.lend_pool)
 
   trainer device = N * (4 params + 4 grads + 8 AdamW mu, nu) / D    fp32 master state
                  + N * 4 / D                       reference params when kl_beta > 0
@@ -102,7 +102,7 @@ def estimate(*, cfg, model_cfg, params: int, sampler_tensor: int, trainer_device
                               head_dim=model_cfg.head_dim, dtype=cfg.sampler.dtype)
   pool = kv_pool_bytes(sampler_cfg=cfg.sampler, kv_per_token=kv_tok)
   weights_s = params * sampler_b
-  sampler = 2 * (weights_s + pool) // sampler_tensor
+  sampler = (2 * weights_s + pool) // sampler_tensor
 
   state = params * (4 + 4 + 8 + (4 if cfg.trainer.kl_beta > 0 else 0) + sampler_b)
   shards = max(trainer_devices // trainer_tensor, 1)

@@ -14,7 +14,7 @@ layer's KV write is a scatter into its own donated buffer, so nothing but the wr
 rows moves. With `layers="scan"` the pools are stacked [l, k, n, p, d], the layers run
 in `lax.scan` with the stacked pools in the carry (written in place by a scatter at
 the layer index), which compiles once per layer shape; on a GPU it measured 2.2x
-slower per step than the unrolled loop (shared/measurements/h200-2026-11-30).
+slower per step than the unrolled loop (notes/measurements/h200-2026-11-30).
 
 A step writes the new token's K/V into its page first, then attends over the slot's
 pages with `kv_len_b = position + 1` keys, so the page holding the position must be
@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from rl_jax.model import transformer as tfm
@@ -175,23 +176,47 @@ _ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_t
               "pallas_gpu": paged_attention_gpu.paged_attention, "ragged": _ragged}
 
 
+def pool_dtype(kv_dtype, backend: str | None = None):
+  """Storage dtype of the K/V pools: `kv_dtype`, but bfloat16 on CPU is stored as its
+  uint16 bits. XLA's CPU backend upcasts the whole operand of a bf16 scatter to float32
+  and back (and a bitcast around the scatter is a pool-sized copy too), so every KV
+  write cost two passes over the pool and a pool-sized f32 temporary: a call's time and
+  memory grew with the pool. A uint16 scatter is in place."""
+  kv_dtype = jnp.dtype(kv_dtype)
+  if kv_dtype == jnp.bfloat16 and (backend or jax.default_backend()) == "cpu":
+    return jnp.dtype(jnp.uint16)
+  return kv_dtype
+
+
+def pool_view(pool):
+  """The K/V values of a pool (uint16 storage read as bfloat16; fused into the reads)."""
+  return lax.bitcast_convert_type(pool, jnp.bfloat16) if pool.dtype == jnp.uint16 else pool
+
+
+def pool_set(pool, index, values, **at_kw):
+  """pool.at[index].set(values) in the pool's storage dtype (pool_dtype): in place when
+  the pool is donated; `index` as np.s_ writes it."""
+  if pool.dtype == jnp.uint16 and values.dtype != jnp.uint16:
+    values = lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+  return pool.at[index].set(values.astype(pool.dtype), **at_kw)
+
+
 def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, pages, kv_len_b,
                   write_page_b, write_slot_b):
   """attend(q, k, v) for model.layer_forward: writes k/v at (page, slot) of this layer's
   pool (a [k, n, p, d] array, or the stacked pool at index `layer`), then attends."""
   def attend(q_b1hd, k_b1kd, v_b1kd):
-    k_bkd = k_b1kd[:, 0].astype(k_pages.dtype)
-    v_bkd = v_b1kd[:, 0].astype(v_pages.dtype)
+    k_bkd, v_bkd = k_b1kd[:, 0], v_b1kd[:, 0]
     if layer is None:
-      k_new = k_pages.at[:, write_page_b, write_slot_b].set(k_bkd.transpose(1, 0, 2))
-      v_new = v_pages.at[:, write_page_b, write_slot_b].set(v_bkd.transpose(1, 0, 2))
+      k_new = pool_set(k_pages, np.s_[:, write_page_b, write_slot_b], k_bkd.transpose(1, 0, 2))
+      v_new = pool_set(v_pages, np.s_[:, write_page_b, write_slot_b], v_bkd.transpose(1, 0, 2))
       k_read, v_read = k_new, v_new
     else:
-      k_new = k_pages.at[layer, :, write_page_b, write_slot_b].set(k_bkd)
-      v_new = v_pages.at[layer, :, write_page_b, write_slot_b].set(v_bkd)
+      k_new = pool_set(k_pages, np.s_[layer, :, write_page_b, write_slot_b], k_bkd)
+      v_new = pool_set(v_pages, np.s_[layer, :, write_page_b, write_slot_b], v_bkd)
       k_read = lax.dynamic_index_in_dim(k_new, layer, keepdims=False)
       v_read = lax.dynamic_index_in_dim(v_new, layer, keepdims=False)
-    out_bhd = attention(q_b1hd[:, 0], k_read, v_read, pages, kv_len_b)
+    out_bhd = attention(q_b1hd[:, 0], pool_view(k_read), pool_view(v_read), pages, kv_len_b)
     return out_bhd[:, None], (k_new, v_new)
   return attend
 

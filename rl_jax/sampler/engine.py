@@ -140,7 +140,7 @@ def _scatter_prompts(state, k_lkntd, v_lkntd, true_length_n, pages_nm, *, page_s
   slot_nt = jnp.broadcast_to(pos_t % page_size, page_nt.shape)
 
   def write(pool, x_kntd):  # pool [..., n_pool, p, d], x [..., n, t, d]
-    return pool.at[..., page_nt, slot_nt, :].set(x_kntd)
+    return decode.pool_set(pool, np.s_[..., page_nt, slot_nt, :], x_kntd)
 
   return state._replace(
       k_pages=jax.tree.map(write, state.k_pages, _layer_values(state.k_pages, k_lkntd)),
@@ -249,6 +249,9 @@ class Engine:
     self._init_params = jax.jit(functools.partial(model.init_params, cfg),
                                 in_shardings=rep, out_shardings=self.param_shardings)
     self._init_state = jax.jit(self._zero_state, in_shardings=(), out_shardings=st)
+    self._init_registers = jax.jit(
+        functools.partial(self._zero_state, pools=False), in_shardings=(),
+        out_shardings=st._replace(k_pages=None, v_pages=None))
     self._prefill = jax.jit(
         functools.partial(_prefill, model_cfg=cfg, kv_dtype=self.kv_dtype),
         in_shardings=(self.param_shardings, rep, rep), out_shardings=self.prefix_shardings)
@@ -333,11 +336,11 @@ class Engine:
   def _state_shapes(self) -> DecodeState:
     cfg, b = self.model_cfg, self._slots
     layer_pool = (cfg.num_kv_heads, self.num_pages, self.page_size, cfg.head_dim)
+    pool_dtype = decode.pool_dtype(self.kv_dtype)
     if self.layers == "unrolled":
-      pool = tuple(jax.ShapeDtypeStruct(layer_pool, self.kv_dtype)
-                   for _ in range(cfg.num_layers))
+      pool = tuple(jax.ShapeDtypeStruct(layer_pool, pool_dtype) for _ in range(cfg.num_layers))
     else:
-      pool = jax.ShapeDtypeStruct((cfg.num_layers,) + layer_pool, self.kv_dtype)
+      pool = jax.ShapeDtypeStruct((cfg.num_layers,) + layer_pool, pool_dtype)
     raw_key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
 
     def vec(dtype):
@@ -362,8 +365,11 @@ class Engine:
         **{f: self._sharding(("batch",) + (None,) * (getattr(shapes, f).ndim - 1),
                              getattr(shapes, f).shape) for f in decode.SLOT_FIELDS})
 
-  def _zero_state(self) -> DecodeState:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._state_shapes())
+  def _zero_state(self, pools: bool = True) -> DecodeState:
+    shapes = self._state_shapes()
+    if not pools:
+      shapes = shapes._replace(k_pages=None, v_pages=None)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
   def load_params(self, params: Any = None, *, rng: jax.Array | None = None) -> Any:
     """`params` cast to the sampler dtype and placed with the sampler shardings (no copy
@@ -373,8 +379,10 @@ class Engine:
     return jax.tree.map(lambda x, s: jax.device_put(x.astype(self.kv_dtype), s), params,
                         self.param_shardings)
 
-  def init_decode_state(self) -> DecodeState:
-    return self._init_state()
+  def init_decode_state(self, *, pools: bool = True) -> DecodeState:
+    """A zeroed state; with pools=False its k_pages / v_pages are None (registers only:
+    a Generator that borrows another's pools, Generator.lend_pool)."""
+    return self._init_state() if pools else self._init_registers()
 
   def pad_tokens(self, tokens) -> tuple[np.ndarray, int]:
     """(tokens right-padded with pad_id to the smallest bucket that fits, true length)."""

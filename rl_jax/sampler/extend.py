@@ -34,6 +34,7 @@ from jax import lax
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.model import transformer as tfm
+from rl_jax.sampler import decode
 from rl_jax.sampler import page_table as pt
 
 
@@ -72,15 +73,15 @@ def _paged_attend(k_pool, v_pool, layer, *, pages_nw, write_page_nt, write_slot_
   the first w page-table columns. `layer` indexes stacked pools (None: per-layer)."""
   def attend(q_nthd, k_ntkd, v_ntkd):
     if layer is None:
-      k_new = k_pool.at[:, write_page_nt, write_slot_nt].set(
-          k_ntkd.transpose(2, 0, 1, 3).astype(k_pool.dtype))
-      v_new = v_pool.at[:, write_page_nt, write_slot_nt].set(
-          v_ntkd.transpose(2, 0, 1, 3).astype(v_pool.dtype))
+      at = np.s_[:, write_page_nt, write_slot_nt]
+      k_new = decode.pool_set(k_pool, at, k_ntkd.transpose(2, 0, 1, 3))
+      v_new = decode.pool_set(v_pool, at, v_ntkd.transpose(2, 0, 1, 3))
       k_read, v_read = k_new, v_new
     else:  # an integer and two index arrays: the indexed dims come first, [n, t, k, d]
-      k_new = k_pool.at[layer, :, write_page_nt, write_slot_nt].set(k_ntkd.astype(k_pool.dtype))
-      v_new = v_pool.at[layer, :, write_page_nt, write_slot_nt].set(v_ntkd.astype(v_pool.dtype))
+      at = np.s_[layer, :, write_page_nt, write_slot_nt]
+      k_new, v_new = decode.pool_set(k_pool, at, k_ntkd), decode.pool_set(v_pool, at, v_ntkd)
       k_read, v_read = k_new[layer], v_new[layer]
+    k_read, v_read = decode.pool_view(k_read), decode.pool_view(v_read)
     kh, _, p, d = k_read.shape
     n, w = pages_nw.shape
 

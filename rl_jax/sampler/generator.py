@@ -54,6 +54,7 @@ were prefilled under the old weights. Every other method belongs to the sampler 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -119,13 +120,20 @@ class _Call(NamedTuple):
   seqs: set  # those sequences
 
 
+def _move_pools(src, dst):
+  """(src without its K/V pools, dst with them): one set of pools, two sets of registers."""
+  pools = dict(k_pages=src.k_pages, v_pages=src.v_pages)
+  return src._replace(k_pages=None, v_pages=None), dst._replace(**pools)
+
+
 class Generator(turns_lib.TurnsMixin):
   """Turns groups (prompt, G, seed) into Rollouts with continuous batching."""
 
   def __init__(self, engine: engine_lib.Engine, params: Any, *, version: int = 0,
                inflight_weight_updates: bool = True,
                sampling: engine_lib.Sampling = engine_lib.Sampling(),
-               max_new_tokens: int | None = None, clock: Callable[[], float] = time.time):
+               max_new_tokens: int | None = None, clock: Callable[[], float] = time.time,
+               borrows_pool: bool = False):
     self.engine = engine
     self.inflight_weight_updates = bool(inflight_weight_updates)
     self.sampling = sampling
@@ -137,7 +145,7 @@ class Generator(turns_lib.TurnsMixin):
     self._version = int(version)
     self._pending_params: tuple[Any, int] | None = None
     self._lock = threading.Lock()
-    self._state = engine.init_decode_state()
+    self._state = engine.init_decode_state(pools=not borrows_pool)  # see lend_pool
     # Slot / page-table updates of this pass, applied by the next generate call.
     self._pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
     self.allocator = pt.PageAllocator(num_pages=engine.num_pages, page_size=engine.page_size)
@@ -292,6 +300,24 @@ class Generator(turns_lib.TurnsMixin):
       self._release_prefix(g)
       self._retire(g)
     return out
+
+  @contextlib.contextmanager
+  def lend_pool(self, borrower: Generator, pages: int):
+    """While the body runs, `borrower` (made with borrows_pool=True) decodes in this
+    generator's K/V pools with pages from its allocator; this generator must not step
+    meanwhile. First the youngest groups are preempted (as when the pool runs dry) until
+    `pages` pages are free, so a borrowed sequence of that many pages always fits."""
+    while self.allocator.num_free < pages:
+      holders = [g for g in self._groups if g.running or g.parked or g.prefix_pages is not None]
+      if not holders:
+        break
+      self._preempt(max(holders, key=lambda g: g.order))
+    borrower.allocator = self.allocator
+    self._state, borrower._state = _move_pools(self._state, borrower._state)
+    try:
+      yield borrower
+    finally:
+      borrower._state, self._state = _move_pools(borrower._state, self._state)
 
   def _draining(self) -> bool:
     with self._lock:

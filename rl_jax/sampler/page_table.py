@@ -124,9 +124,10 @@ class PageAllocator:
     pages = np.asarray(pages, np.int32).reshape(-1)
     if not pages.size:
       return
-    counts = np.bincount(pages, minlength=self.num_pages)
-    if counts[NULL_PAGE] or np.any(counts > self._refcount):
+    # O(pages released), not O(pool): a pool may hold millions of pages.
+    held, counts = np.unique(pages, return_counts=True)
+    if held[0] == NULL_PAGE or np.any(counts > self._refcount[held]):
       raise ValueError(f"releasing pages that are not held: {pages.tolist()}")
-    self._refcount -= counts.astype(np.int32)
-    freed = np.flatnonzero((counts > 0) & (self._refcount == 0))
+    self._refcount[held] -= counts.astype(np.int32)
+    freed = held[self._refcount[held] == 0]
     self._free.extend(int(p) for p in freed[::-1])

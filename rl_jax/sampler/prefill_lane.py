@@ -69,14 +69,13 @@ def _lane_attend(k_pages, v_pages, layer, *, mask_1LL, page_L, slot_L):
   `layer`)."""
   def attend(q_1Lhd, k_1Lkd, v_1Lkd):
     out_1Lhd = tfm.causal_attention(q_1Lhd, k_1Lkd, v_1Lkd, mask_1LL)
-    k_Lkd = k_1Lkd[0].astype(k_pages.dtype)
-    v_Lkd = v_1Lkd[0].astype(v_pages.dtype)
+    k_Lkd, v_Lkd = k_1Lkd[0], v_1Lkd[0]
     if layer is None:
-      k_new = k_pages.at[:, page_L, slot_L].set(k_Lkd.transpose(1, 0, 2))
-      v_new = v_pages.at[:, page_L, slot_L].set(v_Lkd.transpose(1, 0, 2))
+      k_new = decode.pool_set(k_pages, np.s_[:, page_L, slot_L], k_Lkd.transpose(1, 0, 2))
+      v_new = decode.pool_set(v_pages, np.s_[:, page_L, slot_L], v_Lkd.transpose(1, 0, 2))
     else:
-      k_new = k_pages.at[layer, :, page_L, slot_L].set(k_Lkd)
-      v_new = v_pages.at[layer, :, page_L, slot_L].set(v_Lkd)
+      k_new = decode.pool_set(k_pages, np.s_[layer, :, page_L, slot_L], k_Lkd)
+      v_new = decode.pool_set(v_pages, np.s_[layer, :, page_L, slot_L], v_Lkd)
     return out_1Lhd, (k_new, v_new)
   return attend
 

@@ -247,8 +247,8 @@ def apply(state: decode.DecodeState, upd_v: jax.Array, *, layout: Layout) -> dec
   # Copy-on-write of a partial prompt page: each new sequence writes its own tokens
   # after the prompt, so it gets a private copy of the group's template page.
   def copy(pool):  # pool [..., n, p, d]
-    return pool.at[..., col("copy_dst"), :, :].set(pool[..., col("copy_src"), :, :],
-                                                   mode="drop")
+    return decode.pool_set(pool, np.s_[..., col("copy_dst"), :, :],
+                           pool[..., col("copy_src"), :, :], mode="drop")
 
   return state._replace(k_pages=jax.tree.map(copy, state.k_pages),
                         v_pages=jax.tree.map(copy, state.v_pages), **regs)
