@@ -58,6 +58,9 @@ def get_config(arg=None):
   c.trainer.logprob_chunk_len = 128  # positions per lm-head chunk; 0: the whole sequence
   c.trainer.num_minibatches = 1  # optimizer updates per batch
   c.trainer.length_buckets = (64, 128, 256, 512, 1024, 2048, 4096)
+  # auto: pack whole sequences into rows of the length bucket where the attention kernel
+  # takes segment ids (xla/jnp, splash; not cuDNN), else padded rows; off: padded rows.
+  c.trainer.packing = "auto"
   c.trainer.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.trainer.eps_low = 0.2
   c.trainer.eps_high = 0.28

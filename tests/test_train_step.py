@@ -195,8 +195,8 @@ def test_sharded_step_equals_single_device_and_nan_skips(params0, single_device_
 
 
 def test_compile_count_bounded_by_buckets(params0):
-  trainer = ts.Trainer(_model_cfg(), _trainer_cfg(num_minibatches=2), _mesh((2, 1, 2)),
-                       total_steps=8)
+  trainer = ts.Trainer(_model_cfg(), _trainer_cfg(num_minibatches=2, packing="off"),
+                       _mesh((2, 1, 2)), total_steps=8)
   state = trainer.init_state(params=params0)
   state, metrics = trainer.step(state, trainer.make_train_batch(_groups(4)))
   # Two minibatches: the second one is off-policy w.r.t. pi_prox after the first update.
@@ -235,7 +235,7 @@ def _reference_loss(model_cfg, cfg, params, ref_params, batch, prox_bt):
   weights = grpo.loss_weights(mask_bt=batch.mask_bt, loss_agg=cfg.loss_agg, max_len=32)
   loss, _ = grpo.grpo_loss(
       logp_bt=logp(params), prox_logp_bt=prox_bt, behavior_logp_bt=batch.behavior_logprobs_bt,
-      ref_logp_bt=logp(ref_params), adv_b=batch.advantages_b, mask_bt=batch.mask_bt,
+      ref_logp_bt=logp(ref_params), adv_bt=batch.advantages_b[:, None], mask_bt=batch.mask_bt,
       weights_bt=weights, eps_low=cfg.eps_low, eps_high=cfg.eps_high, tis_cap=cfg.tis_cap,
       ratio_level=cfg.ratio_level, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
   return loss
@@ -330,11 +330,8 @@ def test_step_never_holds_whole_logits(chunk, whole_logits):
                        total_steps=1)
   state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
   b, t = 8, 32
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-  batch = dict(tokens_bt=spec((b, t), jnp.int32), mask_bt=spec((b, t), jnp.bool_),
-               behavior_logprobs_bt=spec((b, t), jnp.float32),
-               advantages_b=spec((b,), jnp.float32), versions_bt=spec((b, t), jnp.int32))
-  hlo = trainer._step.lower(state, batch, (), spec((), jnp.int32)).compile().as_text()
+  hlo = trainer._step.lower(state, trainer.batch_spec(b, t), (),
+                            jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
   vocab_sized = [np.prod([int(d) for d in dims.split(",")])
                  for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
                  if "100" in dims.split(",")]

@@ -25,6 +25,14 @@ Implementations (ModelConfig.attention; `jnp` lives in rl_jax.model.transformer)
 Padding: the trainer's rows and the sampler's prefill prompts are right padded, so under
 the causal mask no real position ever attends to a padded one and no length mask is
 needed (tests/test_attention.py checks this for every implementation).
+
+Packed rows (the trainer's sequence packing, rl_jax.trainer.buckets): with segment ids
+seg_bt a query attends only to earlier keys of its own segment,
+mask_bts = (s <= t) & (seg_bt[t] == seg_bt[s]), a block-diagonal causal mask. jnp and xla
+take it as a mask, splash as its SegmentIds. cuDNN has no packed form in the public
+jax.nn.dot_product_attention of jax 0.10 (query/key lengths only pad each row's tail;
+segment offsets exist only in a private module), so SEGMENT_KERNELS leaves it out and
+the trainer trains padded rows there.
 """
 from __future__ import annotations
 
@@ -35,6 +43,8 @@ import jax
 import jax.numpy as jnp
 
 _SPLASH_BLOCKS = (512, 256, 128)
+# Resolved kernels that take segment ids (packed rows).
+SEGMENT_KERNELS = ("jnp", "xla", "splash")
 
 
 def resolve(implementation: str, dtype, backend: str | None = None) -> str:
@@ -50,16 +60,27 @@ def resolve(implementation: str, dtype, backend: str | None = None) -> str:
   return implementation
 
 
+def same_segment_bts(segment_ids_bt: jax.Array) -> jax.Array:
+  """bool [b, t, s]: query t and key s lie in the same segment."""
+  return segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+
+
 def fused_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, *,
-                           implementation: str, fallback=None) -> jax.Array:
+                           implementation: str, fallback=None,
+                           segment_ids_bt: jax.Array | None = None) -> jax.Array:
   """Causal attention out_bthd (v's dtype) with a fused or library kernel.
 
   `implementation` is a resolved name (xla, cudnn, splash). With `fallback` (a function
   of q, k, v) a cuDNN rejection at trace time (unsupported shape, cuDNN version) runs
-  `fallback` instead of raising; only `auto` passes one.
+  `fallback` instead of raising; only `auto` passes one. `segment_ids_bt` (int32
+  [b, t], packed rows) keeps attention within a segment; cudnn does not take it.
   """
+  if segment_ids_bt is not None and implementation not in SEGMENT_KERNELS:
+    raise ValueError(f"attention kernel {implementation!r} has no packed (segment ids) "
+                     f"form; train padded rows (trainer.packing='off')")
   if implementation == "xla":
-    return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True,
+    mask = None if segment_ids_bt is None else same_segment_bts(segment_ids_bt)[:, None]
+    return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, mask=mask, is_causal=True,
                                         implementation="xla").astype(v_btkd.dtype)
   if implementation == "cudnn":
     try:
@@ -71,7 +92,7 @@ def fused_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Arr
       _warn_once(f"cuDNN attention unavailable ({type(e).__name__}: {e}); using jnp")
       return fallback(q_bthd, k_btkd, v_btkd)
   if implementation == "splash":
-    return splash_causal_attention(q_bthd, k_btkd, v_btkd)
+    return splash_causal_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt)
   raise ValueError(f"unknown fused attention implementation {implementation!r}")
 
 
@@ -102,9 +123,10 @@ def _splash_kernel(n: int, g: int, interpret: bool):
   return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array,
-                            v_btkd: jax.Array) -> jax.Array:
-  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd."""
+def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
+                            segment_ids_bt: jax.Array | None = None) -> jax.Array:
+  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd. With
+  segment ids (packed rows) the kernel also masks keys of other segments."""
   b, t, h, d = q_bthd.shape
   kh = k_btkd.shape[2]
   g = h // kh
@@ -116,7 +138,17 @@ def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array,
   q_bkgnd = q_bnhd.reshape(b, n, kh, g, d).transpose(0, 2, 3, 1, 4)
   k_bknd, v_bknd = k_bnkd.transpose(0, 2, 1, 3), v_bnkd.transpose(0, 2, 1, 3)
   kernel = _splash_kernel(n, g, jax.default_backend() != "tpu")
-  out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
+  if segment_ids_bt is None:
+    out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
+  else:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    # The padded tail continues the last segment: its keys come after every real query.
+    seg_bn = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, n - t)), mode="edge")
+
+    def row(q_kgnd, k_knd, v_knd, seg_n):
+      ids = sk.SegmentIds(q=seg_n, kv=seg_n)
+      return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q_kgnd, k_knd, v_knd)
+    out_bkgnd = jax.vmap(row)(q_bkgnd, k_bknd, v_bknd, seg_bn)
   out_bnhd = out_bkgnd.transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
   return out_bnhd[:, :t].astype(v_btkd.dtype)
 
