@@ -9,6 +9,7 @@ import pytest
 from configs import base
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.trainer import buckets
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer import train_step as ts
@@ -390,8 +391,11 @@ def test_observation_tokens_are_context_only():
     r.behavior_logprobs = np.where(r.model_mask, r.behavior_logprobs, -7.0).astype(np.float32)
     r.token_versions = np.where(r.model_mask, r.token_versions, 99).astype(np.int32)
   again = make()
+  layout = buckets.packed_layout(batch.lengths_b, row_len=batch.seq_len, num_minibatches=1,
+                                 quantum=1)
+  got, want = (ts.batch_rows(b, layout, pad_id=0) for b in (again, batch))
   for k in ts.GRPO_KEYS:
-    np.testing.assert_array_equal(getattr(again, k), getattr(batch, k))
+    np.testing.assert_array_equal(got[k], want[k])
   sft = ts.make_sft_batch([r.prompt_tokens for r in rows], [r.completion_tokens for r in rows],
                           pad_id=0, length_buckets=(16, 32),
                           completion_masks=[r.model_mask for r in rows])
