@@ -30,9 +30,10 @@ Packed rows (the trainer's sequence packing, rl_jax.trainer.buckets): with segme
 seg_bt a query attends only to earlier keys of its own segment,
 mask_bts = (s <= t) & (seg_bt[t] == seg_bt[s]), a block-diagonal causal mask. jnp and xla
 take it as a mask, splash as its SegmentIds. cuDNN has no packed form in the public
-jax.nn.dot_product_attention of jax 0.10 (query/key lengths only pad each row's tail;
-segment offsets exist only in a private module), so SEGMENT_KERNELS leaves it out and
-the trainer trains padded rows there.
+jax.nn.dot_product_attention (read in jax 0.10.2 and in jax's source at 0.11.1: query /
+key lengths only cut each row's tail; segment offsets exist only in the private
+jax._src.cudnn module), so SEGMENT_KERNELS leaves it out and the trainer trains padded
+rows there.
 """
 from __future__ import annotations
 

@@ -50,16 +50,19 @@ def row_bucket(rows: int, *, quantum: int, limit: int) -> int:
 
 
 def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> list[list[int]]:
-  """Indices into `lengths` grouped into rows of at most row_len positions: longest
-  first (ties by index), each into the first row with room."""
-  rows, free = [], []
-  for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-    r = next((r for r, f in enumerate(free) if f >= lengths[i]), len(rows))
+  """Indices into `lengths` (each <= row_len) grouped into rows of at most row_len
+  positions: longest first (ties by index), each into the first row with room; a row
+  lists its sequences in placement order."""
+  lengths = np.asarray(lengths, np.int64)
+  # Rows not opened yet are all free, and they come after every opened row.
+  free = np.full(len(lengths), int(row_len))
+  rows: list[list[int]] = []
+  for i in np.lexsort((np.arange(len(lengths)), -lengths)):
+    r = int(np.argmax(free >= lengths[i]))
+    free[r] -= lengths[i]
     if r == len(rows):
       rows.append([])
-      free.append(row_len)
-    rows[r].append(i)
-    free[r] -= lengths[i]
+    rows[r].append(int(i))
   return rows
 
 

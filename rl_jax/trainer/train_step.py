@@ -72,9 +72,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.model import attention
+from rl_jax.trainer import buckets
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
-from rl_jax.trainer import buckets
 from rl_jax.trainer.buckets import pick_bucket
 from rl_jax.types import Group
 
@@ -602,7 +602,7 @@ class Trainer:
 
   def _layout_metrics(self, batch: TrainBatch) -> tuple[buckets.RowLayout, dict]:
     layout, padded = self.layouts(batch)
-    return layout, {"seq_len": float(layout.row_len), "rows": float(layout.num_rows),
+    return layout, {"seq_len": float(layout.row_len), "train/rows": float(layout.num_rows),
                     "train/positions": float(layout.num_rows * layout.row_len),
                     "train/padding_frac": layout.padding_frac,
                     "train/padding_frac_unpacked": padded.padding_frac}
