@@ -172,11 +172,12 @@ def _host(tree):
 
 def test_packed_step_equals_padded_rows_and_compiles_per_row_shape():
   """The same rollouts trained as packed rows and as padded rows: GSPO sequence ratios,
-  Dr. GRPO sequence normalisation, KL to a reference, two minibatches of 2-row
-  micro-batches. Loss and gradient (pi_prox fixed) within 1e-5; one step's metrics and
-  params likewise. Then the packed trainer compiles once per row shape, all from the
-  fixed set (row_bucket counts x length buckets)."""
-  kw = dict(ratio_level="sequence", loss_agg="seq_mean_token_sum_norm", kl_beta=0.1,
+  Dr. GRPO sequence normalisation, two minibatches of 2-row micro-batches. Loss and
+  gradient (pi_prox fixed) within 1e-5; one step's metrics and params likewise (the KL
+  term is checked packed against full logits in test_train_step). Then the packed
+  trainer compiles once per row shape, all from the fixed set (row_bucket counts x
+  length buckets)."""
+  kw = dict(ratio_level="sequence", loss_agg="seq_mean_token_sum_norm",
             num_minibatches=2, micro_batch_size=2, logprob_chunk_len=8)
   packed, padded = _trainer("auto", **kw), _trainer("off", **kw)
   assert packed.packed and not padded.packed
@@ -189,7 +190,9 @@ def test_packed_step_equals_padded_rows_and_compiles_per_row_shape():
   assert layout.shape == (12, 16) and full.shape == (16, 16)
 
   states = [t.init_state(params=params0) for t in (packed, padded)]
-  prox = padded.logprobs(jax.tree.map(lambda p: p * 1.05, states[1].params), batch)
+  # Any pi_prox will do (no compile): the behaviour log-probs moved, so ratios vary.
+  noise = np.random.default_rng(9).normal(0, 0.3, batch.mask_bt.shape)
+  prox = np.where(batch.mask_bt, batch.behavior_logprobs_bt + noise, 0.0).astype(np.float32)
   (loss_p, g_p), (loss_u, g_u) = (t.loss_and_grad(s.params, batch, prox)
                                   for t, s in zip((packed, padded), states))
   np.testing.assert_allclose(loss_p, loss_u, atol=1e-6, rtol=1e-5)
@@ -198,7 +201,7 @@ def test_packed_step_equals_padded_rows_and_compiles_per_row_shape():
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_u)) > 1e-3
 
   (state_p, m_p), (state_u, m_u) = (t.step(s, batch) for t, s in zip((packed, padded), states))
-  for k in ("loss", "pg_loss", "kl", "kl_behavior", "entropy", "grad_norm", "ratio_p1",
+  for k in ("loss", "pg_loss", "kl_behavior", "entropy", "grad_norm", "ratio_p1",
             "ratio_p50", "ratio_p99", "clip_frac_low", "clip_frac_high", "tis_weight_mean",
             "tokens"):
     np.testing.assert_allclose(m_p[k], m_u[k], atol=1e-6, rtol=1e-5, err_msg=k)
@@ -213,15 +216,15 @@ def test_packed_step_equals_padded_rows_and_compiles_per_row_shape():
   assert m_p["train/positions"] == 12 * 16 and m_u["train/positions"] == 16 * 16
 
   count, shapes = packed.compile_count, {layout.shape}
-  for seed, ls in ((1, [[2] * 8, [3] * 8]), (2, [[12] * 8, [5] * 8]), (3, [[3] * 8, [2] * 8]),
-                   (4, [[20, 3, 5, 2] * 2, [6] * 8])):
+  for seed, ls in ((1, [[2] * 8, [3] * 8]), (2, [[12] * 8, [5] * 8])):
     b = packed.make_train_batch(_groups(seed, ls))
     shapes.add(packed.layouts(b)[0].shape)
     state_p, _ = packed.step(state_p, b)
   allowed = {(buckets.row_bucket(r, quantum=2, limit=8) * 2, t)
              for r in range(1, 9) for t in (16, 32)}
-  assert shapes <= allowed and shapes == {(12, 16), (8, 16), (8, 32)}  # by hand
-  assert packed.compile_count == count + len(shapes) - 1
+  # By hand: lengths 5 and 6 pack 4 rows per minibatch; 15 and 8 need 6 again.
+  assert shapes <= allowed and shapes == {(12, 16), (8, 16)}
+  assert packed.compile_count == count + 1
 
 
 def test_no_segment_kernel_trains_padded_rows_and_says_so(caplog):

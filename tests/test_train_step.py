@@ -247,7 +247,8 @@ def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
   """Trainer.loss_and_grad with the lm head in 5-position chunks (and in one chunk)
   against the loss written on full logits, KL reference included. Half the rollouts
   are multi-turn (tool use): the reference's mask is built token by token from their
-  model masks, so observation tokens are context only (no loss, KL or entropy term)."""
+  model masks, so observation tokens are context only (no loss, KL or entropy term).
+  The trainer packs its rows (trainer.packing=auto); the reference runs padded rows."""
   cfg = _trainer_cfg(kl_beta=0.1, loss_agg="seq_mean_token_mean", logprob_chunk_len=chunk,
                      micro_batch_size=4)
   mcfg = _model_cfg()
@@ -255,7 +256,7 @@ def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
   params = trainer.init_state(params=params0).params
   groups = _groups(2, max_completion=20) + _multi_turn_groups(5)
   batch = trainer.make_train_batch(groups)
-  assert batch.seq_len == 32
+  assert batch.seq_len == 32 and trainer.layouts(batch)[0].num_rows < batch.tokens_bt.shape[0]
   mask_bt = _mask_from_rollouts([r for g in groups for r in g.rollouts], batch.mask_bt.shape)
   np.testing.assert_array_equal(batch.mask_bt, mask_bt)
   prox = jax.tree.map(lambda p: p * 1.05, params)
