@@ -10,7 +10,7 @@ sequence of a row, contiguous). Every per-sequence quantity (length, sequence ra
 sequence count, advantage) is taken per segment; seg_bt=None means one segment per row,
 so a packed batch gives the same loss, gradient and statistics as its padded rows.
 
-Position convention (shared with rl_jax.trainer.train_step and rl_jax.model.head, which
+Position convention (shared with rl_jax.trainer.batch and rl_jax.model.head, which
 computes the token log-probs and entropy): every per-token array
 `x_bt` is indexed by the *predicting* position, so `x_bt[:, t]` concerns token
 `tokens_bt[:, t + 1]`, whose distribution the model emits at position t. The last
