@@ -66,6 +66,9 @@ def get_config(arg=None):
   c.trainer.logprob_save_bytes = 4 * 2**30
   c.trainer.num_minibatches = 1  # optimizer updates per batch
   c.trainer.length_buckets = (64, 128, 256, 512, 1024, 2048, 4096)
+  # auto: pack whole sequences into rows of the length bucket where the attention kernel
+  # takes segment ids (xla/jnp, splash; not cuDNN), else padded rows; off: padded rows.
+  c.trainer.packing = "auto"
   c.trainer.loss_agg = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.trainer.eps_low = 0.2
   c.trainer.eps_high = 0.28

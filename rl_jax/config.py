@@ -402,6 +402,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "trainer.schedule", ("constant", "cosine"))
   _choice(cfg, "trainer.ratio_level", ("token", "sequence"))
   _choice(cfg, "trainer.kl_estimator", ("k1", "k3"))
+  _choice(cfg, "trainer.packing", ("auto", "off"))
   _choice(cfg, "verifier.backend", ("threads", "processes"))
   _choice(cfg, "verifier.latency", ("none", "fixed", "lognormal", "pareto", "empirical"))
   _choice(cfg, "verifier.on_error", ("drop", "zero"))

@@ -20,6 +20,9 @@ Names are flat and prefixed by area, following the seed's monitoring table:
                  logprob_mismatch_mean/max/tokens: |trainer - sampler log-prob| on the
                  tokens sampled with the params the step starts from (numerics only)
   optim/*        loss, pg_loss, grad_norm, update_norm, skipped_nonfinite, learning_rate
+  train/*        padding_frac (share of the positions the step trained that hold no
+                 token), padding_frac_unpacked (the same for padded rows: equal unless
+                 trainer.packing packs), rows and positions (rows x row length) trained
   reward/*       train (mean over the trained batch), heldout (greedy, fixed held-out set)
   cost/*         sampler_device_s, trainer_device_s, reward_gain_per_device_hour
   verifier/*     error_rate (failed calls / results since the last row), timeouts_total,

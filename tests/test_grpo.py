@@ -95,7 +95,8 @@ def test_grpo_loss_matches_reference(loss_agg, ratio_level, tis_cap, kl_estimato
             kl_beta=0.05, kl_estimator=kl_estimator)
   weights = grpo.loss_weights(mask_bt=mask, loss_agg=loss_agg, max_len=12)
   loss, stats = grpo.grpo_loss(logp_bt=logp, prox_logp_bt=prox, behavior_logp_bt=mu,
-                               ref_logp_bt=ref, adv_b=adv, mask_bt=mask, weights_bt=weights,
+                               ref_logp_bt=ref, adv_bt=adv[:, None], mask_bt=mask,
+                               weights_bt=weights,
                                **kw)
   want = _ref_loss(logp, prox, mu, ref, adv, mask, loss_agg=loss_agg, max_len=12, **kw)
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
@@ -122,8 +123,8 @@ def test_clip_higher_asymmetry():
   # One token per sequence; ratios chosen around the asymmetric clip range [0.8, 1.3].
   ratio = np.array([1.25, 1.35, 0.85, 0.75, 1.35, 0.75])
   adv = np.array([1.0, 1.0, -1.0, -1.0, -1.0, 1.0])
-  surr = np.asarray(grpo.clipped_surrogate(ratio_bt=ratio[:, None], adv_b=adv, eps_low=0.2,
-                                           eps_high=0.3))[:, 0]
+  surr = np.asarray(grpo.clipped_surrogate(ratio_bt=ratio[:, None], adv_bt=adv[:, None],
+                                           eps_low=0.2, eps_high=0.3))[:, 0]
   # A > 0: capped at 1 + eps_high; A < 0: capped at 1 - eps_low; the pessimistic branch
   # (unclipped) wins when the clip would help.
   np.testing.assert_allclose(surr, [1.25, 1.3, -0.85, -0.8, -1.35, 0.75])
@@ -131,7 +132,7 @@ def test_clip_higher_asymmetry():
   mask = np.ones((6, 1), bool)
   _, stats = grpo.grpo_loss(
       logp_bt=logp, prox_logp_bt=np.zeros_like(logp), behavior_logp_bt=np.zeros_like(logp),
-      ref_logp_bt=None, adv_b=adv, mask_bt=mask,
+      ref_logp_bt=None, adv_bt=adv[:, None], mask_bt=mask,
       weights_bt=grpo.loss_weights(mask_bt=mask, loss_agg="token_mean", max_len=1),
       eps_low=0.2, eps_high=0.3, tis_cap=0.0, ratio_level="token", kl_beta=0.0,
       kl_estimator="k3")
@@ -148,7 +149,7 @@ def test_gradient_through_clip():
   def f(logp):
     loss, _ = grpo.grpo_loss(
         logp_bt=logp, prox_logp_bt=jnp.zeros_like(logp), behavior_logp_bt=jnp.zeros_like(logp),
-        ref_logp_bt=None, adv_b=adv, mask_bt=mask,
+        ref_logp_bt=None, adv_bt=adv[:, None], mask_bt=mask,
         weights_bt=jnp.ones_like(logp), eps_low=0.2, eps_high=0.3, tis_cap=0.0,
         ratio_level="token", kl_beta=0.0, kl_estimator="k3")
     return loss
@@ -185,8 +186,9 @@ def test_on_policy_is_neutral(ratio_level):
   logp = np.where(mask, logp, 0.0)
   weights = grpo.loss_weights(mask_bt=mask, loss_agg="token_mean", max_len=T)
   loss, stats = grpo.grpo_loss(
-      logp_bt=logp, prox_logp_bt=logp, behavior_logp_bt=logp, ref_logp_bt=logp, adv_b=adv,
-      mask_bt=mask, weights_bt=weights, eps_low=0.2, eps_high=0.28, tis_cap=2.0,
+      logp_bt=logp, prox_logp_bt=logp, behavior_logp_bt=logp, ref_logp_bt=logp,
+      adv_bt=adv[:, None], mask_bt=mask, weights_bt=weights, eps_low=0.2, eps_high=0.28,
+      tis_cap=2.0,
       ratio_level=ratio_level, kl_beta=0.1, kl_estimator="k3")
   ratio = np.asarray(stats["ratio_bt"])
   np.testing.assert_array_equal(ratio[mask], 1.0)
@@ -210,7 +212,8 @@ def test_nan_off_the_mask_never_reaches_the_gradient(kl_estimator, ratio_level):
 
   def loss_fn(lp):
     return grpo.grpo_loss(logp_bt=lp, prox_logp_bt=prox, behavior_logp_bt=mu,
-                          ref_logp_bt=ref, adv_b=adv, mask_bt=mask, weights_bt=weights,
+                          ref_logp_bt=ref, adv_bt=adv[:, None], mask_bt=mask,
+                          weights_bt=weights,
                           eps_low=0.2, eps_high=0.28, tis_cap=2.0, ratio_level=ratio_level,
                           kl_beta=0.1, kl_estimator=kl_estimator)[0]
   loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
@@ -222,7 +225,7 @@ def test_nan_off_the_mask_never_reaches_the_gradient(kl_estimator, ratio_level):
   # k1: d/dlogp (logp - ref) = 1;  k3: d/dlogp (e^(ref-logp) - (ref-logp) - 1) = 1 - e^(ref-logp).
   kl_only = lambda lp: grpo.grpo_loss(
       logp_bt=lp, prox_logp_bt=prox, behavior_logp_bt=mu, ref_logp_bt=ref,
-      adv_b=np.zeros_like(adv), mask_bt=mask, weights_bt=weights, eps_low=0.2,
+      adv_bt=np.zeros_like(adv)[:, None], mask_bt=mask, weights_bt=weights, eps_low=0.2,
       eps_high=0.28, tis_cap=2.0, ratio_level=ratio_level, kl_beta=1.0,
       kl_estimator=kl_estimator)[0]
   g = np.asarray(jax.grad(kl_only)(jnp.asarray(logp)))
@@ -250,7 +253,7 @@ def test_extreme_log_ratios_stay_finite(ratio_level):
 
   def loss_fn(lp):
     return grpo.grpo_loss(logp_bt=lp, prox_logp_bt=prox, behavior_logp_bt=mu,
-                          ref_logp_bt=prox, adv_b=np.array([-1.0, 1.0], np.float32),
+                          ref_logp_bt=prox, adv_bt=np.array([[-1.0], [1.0]], np.float32),
                           mask_bt=mask, weights_bt=weights, eps_low=0.2, eps_high=0.28,
                           tis_cap=0.0, ratio_level=ratio_level, kl_beta=0.1,
                           kl_estimator="k3")

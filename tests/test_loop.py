@@ -102,6 +102,9 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
   assert [r["step"] for r in rows if "optim/loss" in r] == list(range(1, cfg.rl.total_steps + 1))
   assert {(r["trainer/attention_kernel"], r["trainer/attention_fallback"])
           for r in rows if "optim/loss" in r} == {("xla", 0.0)}
+  # Packing (trainer.packing=auto, xla attention on CPU) never trains more padding.
+  assert all(r["train/padding_frac"] <= r["train/padding_frac_unpacked"] and
+             r["trainer/padded_tokens"] == r["train/positions"] for r in rows if "optim/loss" in r)
 
 
 def test_async_bounded_staleness_and_inflight_updates(tmp_path):

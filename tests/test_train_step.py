@@ -9,6 +9,7 @@ import pytest
 from configs import base
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.trainer import buckets
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer import train_step as ts
@@ -195,8 +196,8 @@ def test_sharded_step_equals_single_device_and_nan_skips(params0, single_device_
 
 
 def test_compile_count_bounded_by_buckets(params0):
-  trainer = ts.Trainer(_model_cfg(), _trainer_cfg(num_minibatches=2), _mesh((2, 1, 2)),
-                       total_steps=8)
+  trainer = ts.Trainer(_model_cfg(), _trainer_cfg(num_minibatches=2, packing="off"),
+                       _mesh((2, 1, 2)), total_steps=8)
   state = trainer.init_state(params=params0)
   state, metrics = trainer.step(state, trainer.make_train_batch(_groups(4)))
   # Two minibatches: the second one is off-policy w.r.t. pi_prox after the first update.
@@ -235,7 +236,7 @@ def _reference_loss(model_cfg, cfg, params, ref_params, batch, prox_bt):
   weights = grpo.loss_weights(mask_bt=batch.mask_bt, loss_agg=cfg.loss_agg, max_len=32)
   loss, _ = grpo.grpo_loss(
       logp_bt=logp(params), prox_logp_bt=prox_bt, behavior_logp_bt=batch.behavior_logprobs_bt,
-      ref_logp_bt=logp(ref_params), adv_b=batch.advantages_b, mask_bt=batch.mask_bt,
+      ref_logp_bt=logp(ref_params), adv_bt=batch.advantages_b[:, None], mask_bt=batch.mask_bt,
       weights_bt=weights, eps_low=cfg.eps_low, eps_high=cfg.eps_high, tis_cap=cfg.tis_cap,
       ratio_level=cfg.ratio_level, kl_beta=cfg.kl_beta, kl_estimator=cfg.kl_estimator)
   return loss
@@ -246,7 +247,8 @@ def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
   """Trainer.loss_and_grad with the lm head in 5-position chunks (and in one chunk)
   against the loss written on full logits, KL reference included. Half the rollouts
   are multi-turn (tool use): the reference's mask is built token by token from their
-  model masks, so observation tokens are context only (no loss, KL or entropy term)."""
+  model masks, so observation tokens are context only (no loss, KL or entropy term).
+  The trainer packs its rows (trainer.packing=auto); the reference runs padded rows."""
   cfg = _trainer_cfg(kl_beta=0.1, loss_agg="seq_mean_token_mean", logprob_chunk_len=chunk,
                      micro_batch_size=4)
   mcfg = _model_cfg()
@@ -254,7 +256,7 @@ def test_chunked_loss_and_gradient_equal_full_logits(params0, chunk):
   params = trainer.init_state(params=params0).params
   groups = _groups(2, max_completion=20) + _multi_turn_groups(5)
   batch = trainer.make_train_batch(groups)
-  assert batch.seq_len == 32
+  assert batch.seq_len == 32 and trainer.layouts(batch)[0].num_rows < batch.tokens_bt.shape[0]
   mask_bt = _mask_from_rollouts([r for g in groups for r in g.rollouts], batch.mask_bt.shape)
   np.testing.assert_array_equal(batch.mask_bt, mask_bt)
   prox = jax.tree.map(lambda p: p * 1.05, params)
@@ -339,11 +341,8 @@ def test_head_memory_follows_logprob_save_bytes(chunk, save_bytes, whole_logits)
   assert trainer.head_recomputes((8, 32)) == (save_bytes < _SAVED_PROBS)
   state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
   b, t = 8, 32
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-  batch = dict(tokens_bt=spec((b, t), jnp.int32), mask_bt=spec((b, t), jnp.bool_),
-               behavior_logprobs_bt=spec((b, t), jnp.float32),
-               advantages_b=spec((b,), jnp.float32), versions_bt=spec((b, t), jnp.int32))
-  hlo = trainer._step.lower(state, batch, (), spec((), jnp.int32)).compile().as_text()
+  hlo = trainer._step.lower(state, trainer.batch_spec(b, t), (),
+                            jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
   vocab_sized = [np.prod([int(d) for d in dims.split(",")])
                  for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
                  if "100" in dims.split(",")]
@@ -402,8 +401,11 @@ def test_observation_tokens_are_context_only():
     r.behavior_logprobs = np.where(r.model_mask, r.behavior_logprobs, -7.0).astype(np.float32)
     r.token_versions = np.where(r.model_mask, r.token_versions, 99).astype(np.int32)
   again = make()
+  layout = buckets.packed_layout(batch.lengths_b, row_len=batch.seq_len, num_minibatches=1,
+                                 quantum=1)
+  got, want = (ts.batch_rows(b, layout, pad_id=0) for b in (again, batch))
   for k in ts.GRPO_KEYS:
-    np.testing.assert_array_equal(getattr(again, k), getattr(batch, k))
+    np.testing.assert_array_equal(got[k], want[k])
   sft = ts.make_sft_batch([r.prompt_tokens for r in rows], [r.completion_tokens for r in rows],
                           pad_id=0, length_buckets=(16, 32),
                           completion_masks=[r.model_mask for r in rows])

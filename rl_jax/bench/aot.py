@@ -81,11 +81,7 @@ def train_program(model_cfg, mesh, *, sizes, dtype, remat, logprob_chunk_len,
   allocated = _live_bytes() - before
   state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
   b, t = sizes.train_batch, sizes.train_seq
-  batch = dict(tokens_bt=jax.ShapeDtypeStruct((b, t), jnp.int32),
-               mask_bt=jax.ShapeDtypeStruct((b, t), jnp.bool_),
-               behavior_logprobs_bt=jax.ShapeDtypeStruct((b, t), jnp.float32),
-               advantages_b=jax.ShapeDtypeStruct((b,), jnp.float32),
-               versions_bt=jax.ShapeDtypeStruct((b, t), jnp.int32))
+  batch = trainer.batch_spec(b, t)
   version = jax.ShapeDtypeStruct((), jnp.int32)
   # trainer._step is the program Trainer.step runs; () is the absent reference policy.
   compiled = trainer._step.lower(state, batch, (), version).compile()

@@ -58,11 +58,14 @@ TRAINER_DEFAULTS = dict(
     b2=0.99, grad_clip=1.0, micro_batch_size=0, logprob_chunk_len=128, num_minibatches=1,
     length_buckets=(64, 128, 256, 512, 1024, 2048, 4096), loss_agg="token_mean",
     eps_low=0.2, eps_high=0.28, tis_cap=2.0, ratio_level="token", std_normalize=True,
-    kl_beta=0.0, kl_estimator="k3", loss_norm_len=0, logprob_save_bytes=4 * 2**30)
+    kl_beta=0.0, kl_estimator="k3", loss_norm_len=0, logprob_save_bytes=4 * 2**30,
+    packing="auto")
 
 
 def trainer_config(**overrides) -> types.SimpleNamespace:
-  return types.SimpleNamespace(**dict(TRAINER_DEFAULTS, **overrides))
+  """configs/base.py's trainer fields, except packing: the bench trains full rows, where
+  packing gains nothing, so it measures the padded-rows step (the reference's)."""
+  return types.SimpleNamespace(**{**TRAINER_DEFAULTS, "packing": "off", **overrides})
 
 
 def one_device_mesh():

@@ -36,6 +36,15 @@ warning line naming the reason, from cudnn to xla and from splash to xla.
 Padding: the trainer's rows and the sampler's prefill prompts are right padded, so under
 the causal mask no real position ever attends to a padded one and no length mask is
 needed (tests/test_attention.py checks this for every implementation).
+
+Packed rows (the trainer's sequence packing, rl_jax.trainer.buckets): with segment ids
+seg_bt a query attends only to earlier keys of its own segment,
+mask_bts = (s <= t) & (seg_bt[t] == seg_bt[s]), a block-diagonal causal mask. jnp and xla
+take it as a mask, splash as its SegmentIds. cuDNN has no packed form in the public
+jax.nn.dot_product_attention (read in jax 0.10.2 and in jax's source at 0.11.1: query /
+key lengths only cut each row's tail; segment offsets exist only in the private
+jax._src.cudnn module), so SEGMENT_KERNELS leaves it out and the trainer trains padded
+rows there.
 """
 from __future__ import annotations
 
@@ -49,6 +58,8 @@ import jax.numpy as jnp
 from rl_jax.errors import UserError
 
 _SPLASH_BLOCKS = (512, 256, 128)
+# Resolved kernels that take segment ids (packed rows).
+SEGMENT_KERNELS = ("jnp", "xla", "splash")
 
 
 class AttentionUnavailable(UserError, ValueError):
@@ -146,17 +157,28 @@ def resolve(implementation: str, q_bthd: jax.Array, k_btkd: jax.Array,
                 (t, h, k_btkd.shape[2], d)).name
 
 
+def same_segment_bts(segment_ids_bt: jax.Array) -> jax.Array:
+  """bool [b, t, s]: query t and key s lie in the same segment."""
+  return segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+
+
 def fused_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, *,
-                           implementation: str) -> jax.Array:
+                           implementation: str,
+                           segment_ids_bt: jax.Array | None = None) -> jax.Array:
   """Causal attention out_bthd (v's dtype) with a fused or library kernel;
-  `implementation` is a resolved name (xla, cudnn, splash)."""
+  `implementation` is a resolved name (xla, cudnn, splash). `segment_ids_bt` (int32
+  [b, t], packed rows) keeps attention within a segment; cudnn does not take it."""
+  if segment_ids_bt is not None and implementation not in SEGMENT_KERNELS:
+    raise ValueError(f"attention kernel {implementation!r} has no packed (segment ids) "
+                     f"form; train padded rows (trainer.packing='off')")
   if implementation == "xla":
-    return materialised_causal_attention(q_bthd, k_btkd, v_btkd)
+    mask_bts = None if segment_ids_bt is None else same_segment_bts(segment_ids_bt)
+    return materialised_causal_attention(q_bthd, k_btkd, v_btkd, mask_bts)
   if implementation == "cudnn":
     return jax.nn.dot_product_attention(q_bthd, k_btkd, v_btkd, is_causal=True,
                                         implementation="cudnn")
   if implementation == "splash":
-    return splash_causal_attention(q_bthd, k_btkd, v_btkd)
+    return splash_causal_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt)
   raise ValueError(f"unknown fused attention implementation {implementation!r}")
 
 
@@ -222,9 +244,10 @@ def _splash_kernel(n: int, g: int, interpret: bool):
   return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array,
-                            v_btkd: jax.Array) -> jax.Array:
-  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd."""
+def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
+                            segment_ids_bt: jax.Array | None = None) -> jax.Array:
+  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd. With
+  segment ids (packed rows) the kernel also masks keys of other segments."""
   b, t, h, d = q_bthd.shape
   kh = k_btkd.shape[2]
   g = h // kh
@@ -236,7 +259,17 @@ def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array,
   q_bkgnd = q_bnhd.reshape(b, n, kh, g, d).transpose(0, 2, 3, 1, 4)
   k_bknd, v_bknd = k_bnkd.transpose(0, 2, 1, 3), v_bnkd.transpose(0, 2, 1, 3)
   kernel = _splash_kernel(n, g, jax.default_backend() != "tpu")
-  out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
+  if segment_ids_bt is None:
+    out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
+  else:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    # The padded tail continues the last segment: its keys come after every real query.
+    seg_bn = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, n - t)), mode="edge")
+
+    def row(q_kgnd, k_knd, v_knd, seg_n):
+      ids = sk.SegmentIds(q=seg_n, kv=seg_n)
+      return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q_kgnd, k_knd, v_knd)
+    out_bkgnd = jax.vmap(row)(q_bkgnd, k_bknd, v_bknd, seg_bn)
   out_bnhd = out_bkgnd.transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
   return out_bnhd[:, :t].astype(v_btkd.dtype)
 

@@ -124,23 +124,30 @@ def _jnp_causal_attention(q_bthd, k_btkd, v_btkd, mask_bts=None):
 
 
 def causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
-                     mask_bts: jax.Array | None = None, *,
-                     implementation: str = "auto") -> jax.Array:
-  """Causal self-attention over one sequence; out_bthd in v's dtype.
+                     mask_bts: jax.Array | None = None, *, implementation: str = "auto",
+                     segment_ids_bt: jax.Array | None = None) -> jax.Array:
+  """Causal self-attention over one sequence, or over each segment of a packed row
+  (segment_ids_bt int32 [b, t]); out_bthd in v's dtype.
 
   `implementation` is one of presets.ATTENTION_IMPLS (rl_jax.model.attention explains
   each; "auto" picks by backend and q's dtype). `mask_bts` further restricts keys and
   always takes the materialised jnp path.
   """
   impl = attention.resolve(implementation, q_bthd, k_btkd)
+  if segment_ids_bt is not None and impl == "jnp":
+    same_bts = attention.same_segment_bts(segment_ids_bt)
+    mask_bts = same_bts if mask_bts is None else mask_bts & same_bts
   if impl == "jnp" or mask_bts is not None:
     return _jnp_causal_attention(q_bthd, k_btkd, v_btkd, mask_bts)
-  return attention.fused_causal_attention(q_bthd, k_btkd, v_btkd, implementation=impl)
+  return attention.fused_causal_attention(q_bthd, k_btkd, v_btkd, implementation=impl,
+                                          segment_ids_bt=segment_ids_bt)
 
 
 def _causal_attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation="auto"):
-  del layer_cache, attn_ctx
-  return causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation), None
+  """Full-sequence causal attention; attn_ctx is None or the packed rows' segment ids."""
+  del layer_cache
+  return causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation,
+                          segment_ids_bt=attn_ctx), None
 
 
 _REMAT_POLICY = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -347,7 +354,8 @@ def forward(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
   structure and shapes) is written back to slice i. With cache=None the per-layer
   returns are stacked along a new leading axis instead. `attn_ctx` reaches every layer
   unchanged. attn_fn=None is causal attention with model_cfg.attention's kernel and
-  returns new_cache=None.
+  returns new_cache=None; its attn_ctx is None or segment ids int32 [b, t] (packed rows:
+  attention stays within a segment).
   """
   if attn_fn is None:
     if cache is not None:
@@ -359,19 +367,25 @@ def forward(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
 
 
 def apply(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
-          positions_bt: jax.Array | None = None) -> jax.Array:
-  """Causal full-sequence logits_btv (float32); positions default to 0..t-1."""
+          positions_bt: jax.Array | None = None,
+          segment_ids_bt: jax.Array | None = None) -> jax.Array:
+  """Causal full-sequence logits_btv (float32); positions default to 0..t-1. With
+  segment_ids_bt (packed rows) each segment attends only within itself; give positions
+  that restart at 0 in every segment."""
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                     tokens_bt.shape)
-  return forward(model_cfg, params, tokens_bt, positions_bt)[0]
+  return forward(model_cfg, params, tokens_bt, positions_bt, attn_ctx=segment_ids_bt)[0]
 
 
 def hidden_states(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
-                  positions_bt: jax.Array | None = None) -> jax.Array:
+                  positions_bt: jax.Array | None = None,
+                  segment_ids_bt: jax.Array | None = None) -> jax.Array:
   """Causal full-sequence final-normed hidden states x_bte (compute dtype), the input of
-  the vocabulary projection (rl_jax.model.head computes from them in chunks)."""
+  the vocabulary projection (rl_jax.model.head computes from them in chunks); packed
+  rows as in `apply`."""
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                     tokens_bt.shape)
-  return forward(model_cfg, params, tokens_bt, positions_bt, return_hidden=True)[0]
+  return forward(model_cfg, params, tokens_bt, positions_bt, attn_ctx=segment_ids_bt,
+                 return_hidden=True)[0]

@@ -288,7 +288,7 @@ class RunAccounting:
     row.update(_pct_row("latency/verifier_service", vserv))
     row["latency/verifier_mean"] = float(np.mean(vlat)) if vlat else 0.0
     for k, v in tm.items():
-      row[("policy/" if k in _POLICY_KEYS else "optim/") + k] = v
+      row[k if "/" in k else ("policy/" if k in _POLICY_KEYS else "optim/") + k] = v
     row.update(self._fault_row())
     if self.has_env:
       row.update(self._env_row(generator, dt))

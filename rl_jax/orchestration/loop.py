@@ -371,7 +371,7 @@ class Pipeline:
         self.worker.trainer_version = self.version
         pub, finish = self._launch_publication()
     tm = result()
-    self.acc.trained(groups, tm, padded=int(batch.tokens_bt.size),
+    self.acc.trained(groups, tm, padded=int(tm["train/positions"]),
                      step_s=time.perf_counter() - t_step)
     self.worker.settle(g.group_id for g in groups)
     if publish:

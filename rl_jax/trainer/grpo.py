@@ -2,9 +2,15 @@
 
 Shape letters:
   n = groups (prompts), g = rollouts per group,
-  b = sequences (rows of a train batch), t = token positions.
+  b = rows of a train batch, t = token positions.
 
-Position convention (shared with rl_jax.trainer.train_step and rl_jax.model.head, which
+Sequences: a row holds one sequence (padded rows), or several back to back (packed rows,
+rl_jax.trainer.buckets) told apart by segment ids seg_bt (int32 in [0, t), one id per
+sequence of a row, contiguous). Every per-sequence quantity (length, sequence ratio,
+sequence count, advantage) is taken per segment; seg_bt=None means one segment per row,
+so a packed batch gives the same loss, gradient and statistics as its padded rows.
+
+Position convention (shared with rl_jax.trainer.batch and rl_jax.model.head, which
 computes the token log-probs and entropy): every per-token array
 `x_bt` is indexed by the *predicting* position, so `x_bt[:, t]` concerns token
 `tokens_bt[:, t + 1]`, whose distribution the model emits at position t. The last
@@ -64,30 +70,52 @@ def group_advantages(*, rewards_ng: np.ndarray, std_normalize: bool,
   return adv_ng, int(zero_var_n.sum())
 
 
+def segment_total(x_bt: jax.Array, seg_bt: jax.Array | None = None) -> jax.Array:
+  """Per position, the sum of x over its sequence (module docstring):
+  total_bt[b, t] = sum_{s : seg_bt[b, s] == seg_bt[b, t]} x_bt[b, s]; seg_bt=None: the row."""
+  if seg_bt is None:
+    return jnp.broadcast_to(x_bt.sum(axis=1, keepdims=True), x_bt.shape)
+  t = x_bt.shape[1]
+  per_row = lambda x_t, seg_t: jax.ops.segment_sum(x_t, seg_t, num_segments=t)[seg_t]
+  return jax.vmap(per_row)(x_bt, seg_bt)
+
+
+def count_sequences(*, mask_bt: jax.Array, seg_bt: jax.Array | None = None) -> jax.Array:
+  """S = the number of sequences with at least one masked-in token (float32)."""
+  m_bt = mask_bt.astype(jnp.float32)
+  if seg_bt is None:
+    return (m_bt.sum(axis=1) > 0).sum().astype(jnp.float32)
+  first_bt = jnp.concatenate([jnp.ones_like(seg_bt[:, :1], bool),
+                              seg_bt[:, 1:] != seg_bt[:, :-1]], axis=1)
+  return (first_bt & (segment_total(m_bt, seg_bt) > 0)).sum().astype(jnp.float32)
+
+
 def loss_weights(*, mask_bt: jax.Array, loss_agg: str, max_len: int,
                  num_tokens: jax.Array | None = None,
-                 num_seqs: jax.Array | None = None) -> jax.Array:
+                 num_seqs: jax.Array | None = None,
+                 seg_bt: jax.Array | None = None) -> jax.Array:
   """Per-token weights W_bt such that the aggregated loss is sum_bt W_bt * x_bt.
 
-  With m_bt the mask, L_b = sum_t m_bt, N = sum_bt m_bt, S = #{b : L_b > 0}:
+  With m_bt the mask, L_bt = the masked-in tokens of the sequence at (b, t)
+  (segment_total of m), N = sum_bt m_bt, S = count_sequences:
     token_mean:               W_bt = m_bt / N
-    seq_mean_token_mean:      W_bt = m_bt / (L_b * S)
+    seq_mean_token_mean:      W_bt = m_bt / (L_bt * S)
     seq_mean_token_sum_norm:  W_bt = m_bt / (max_len * S)   (Dr. GRPO, max_len constant)
 
   Expressing every mode as a weighted sum lets micro-batches add up to exactly the
   full-batch loss: pass `num_tokens` / `num_seqs` counted over the full batch.
-  Rows without tokens (batch padding) get weight 0 and do not count in S.
+  Sequences without tokens (batch padding) get weight 0 and do not count in S.
   """
   m_bt = mask_bt.astype(jnp.float32)
-  len_b = m_bt.sum(axis=1)
   if num_tokens is None:
     num_tokens = m_bt.sum()
   if num_seqs is None:
-    num_seqs = (len_b > 0).sum()
+    num_seqs = count_sequences(mask_bt=mask_bt, seg_bt=seg_bt)
   if loss_agg == "token_mean":
     return m_bt / jnp.maximum(num_tokens, 1.0)
   if loss_agg == "seq_mean_token_mean":
-    return m_bt / (jnp.maximum(len_b, 1.0)[:, None] * jnp.maximum(num_seqs, 1.0))
+    len_bt = segment_total(m_bt, seg_bt)
+    return m_bt / (jnp.maximum(len_bt, 1.0) * jnp.maximum(num_seqs, 1.0))
   if loss_agg == "seq_mean_token_sum_norm":
     return m_bt / (float(max_len) * jnp.maximum(num_seqs, 1.0))
   raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
@@ -99,21 +127,21 @@ def masked_sum(*, x_bt: jax.Array, mask_bt: jax.Array) -> jax.Array:
 
 
 def importance_ratio(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, mask_bt: jax.Array,
-                     ratio_level: Literal["token", "sequence"]) -> jax.Array:
+                     ratio_level: Literal["token", "sequence"],
+                     seg_bt: jax.Array | None = None) -> jax.Array:
   """Ratio pi_theta / pi_prox per token.
 
   token:     r_bt = exp(logp_bt - prox_bt)
   sequence:  r_bt = exp(mean_{t in mask} (logp_bt - prox_bt)), the same for every
-             token of a row (GSPO's length-normalised sequence ratio).
+             token of a sequence (GSPO's length-normalised sequence ratio).
   Off-mask positions get ratio 1; the log-ratio is clamped (module docstring, safe_exp).
   """
   log_r_bt = jnp.where(mask_bt, logp_bt - prox_logp_bt, 0.0)
   if ratio_level == "token":
     return safe_exp(log_r_bt)
   if ratio_level == "sequence":
-    len_b = jnp.maximum(mask_bt.sum(axis=1), 1).astype(jnp.float32)
-    r_b = safe_exp(log_r_bt.sum(axis=1) / len_b)
-    return jnp.where(mask_bt, r_b[:, None], 1.0)
+    len_bt = jnp.maximum(segment_total(mask_bt.astype(jnp.float32), seg_bt), 1.0)
+    return jnp.where(mask_bt, safe_exp(segment_total(log_r_bt, seg_bt) / len_bt), 1.0)
   raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
 
 
@@ -131,13 +159,13 @@ def tis_weight(*, prox_logp_bt: jax.Array, behavior_logp_bt: jax.Array,
   return jnp.minimum(raw_bt, cap), raw_bt > cap
 
 
-def clipped_surrogate(*, ratio_bt: jax.Array, adv_b: jax.Array, eps_low: float,
+def clipped_surrogate(*, ratio_bt: jax.Array, adv_bt: jax.Array, eps_low: float,
                       eps_high: float) -> jax.Array:
-  """PPO objective per token (to be maximised), with clip-higher:
+  """PPO objective per token (to be maximised), with clip-higher (A_bt the advantage of
+  the token's sequence, [b, t] or [b, 1]):
 
-  s_bt = min(r_bt A_b, clip(r_bt, 1 - eps_low, 1 + eps_high) A_b)
+  s_bt = min(r_bt A_bt, clip(r_bt, 1 - eps_low, 1 + eps_high) A_bt)
   """
-  adv_bt = adv_b[:, None]
   clipped_bt = jnp.clip(ratio_bt, 1.0 - eps_low, 1.0 + eps_high)
   return jnp.minimum(ratio_bt * adv_bt, clipped_bt * adv_bt)
 
@@ -159,10 +187,10 @@ def kl_penalty(*, logp_bt: jax.Array, ref_logp_bt: jax.Array,
 
 
 def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: jax.Array,
-              ref_logp_bt: jax.Array | None, adv_b: jax.Array, mask_bt: jax.Array,
+              ref_logp_bt: jax.Array | None, adv_bt: jax.Array, mask_bt: jax.Array,
               weights_bt: jax.Array, eps_low: float, eps_high: float, tis_cap: float,
-              ratio_level: str, kl_beta: float, kl_estimator: str
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+              ratio_level: str, kl_beta: float, kl_estimator: str,
+              seg_bt: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Decoupled-PPO GRPO loss and token statistics.
 
   loss   = pg_loss + kl_beta * kl_loss
@@ -170,6 +198,8 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
                                             w: tis_weight of pi_prox / mu)
   kl_loss = sum_bt W_bt * kl_bt              (0 and no reference needed when kl_beta = 0)
 
+  `adv_bt` is each token's sequence advantage ([b, t], or [b, 1] for one sequence per
+  row); `seg_bt` the segment ids of packed rows (module docstring).
   `weights_bt` comes from `loss_weights` and fixes the aggregation mode. The stats
   are masked sums (not means) so that callers can add them over micro-batches:
   tokens, clip_low / clip_high (tokens where the clip binds: A < 0 and r < 1 - eps_low,
@@ -185,10 +215,10 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
   if ref_logp_bt is not None:
     ref_logp_bt = on(ref_logp_bt)
   ratio_bt = importance_ratio(logp_bt=logp_bt, prox_logp_bt=prox_logp_bt, mask_bt=mask_bt,
-                              ratio_level=ratio_level)
+                              ratio_level=ratio_level, seg_bt=seg_bt)
   w_bt, truncated_bt = tis_weight(prox_logp_bt=prox_logp_bt,
                                   behavior_logp_bt=behavior_logp_bt, cap=tis_cap)
-  surr_bt = clipped_surrogate(ratio_bt=ratio_bt, adv_b=adv_b, eps_low=eps_low,
+  surr_bt = clipped_surrogate(ratio_bt=ratio_bt, adv_bt=adv_bt, eps_low=eps_low,
                               eps_high=eps_high)
   pg_loss = -masked_sum(x_bt=weights_bt * w_bt * surr_bt, mask_bt=mask_bt)
   if kl_beta > 0:
@@ -200,7 +230,7 @@ def grpo_loss(*, logp_bt: jax.Array, prox_logp_bt: jax.Array, behavior_logp_bt: 
   loss = pg_loss + kl_beta * kl_loss
 
   r_bt = jax.lax.stop_gradient(ratio_bt)
-  adv_bt = jnp.broadcast_to(adv_b[:, None], r_bt.shape)
+  adv_bt = jnp.broadcast_to(adv_bt, r_bt.shape)
   count = lambda c_bt: masked_sum(x_bt=c_bt.astype(jnp.float32), mask_bt=mask_bt)
   log_gap_bt = prox_logp_bt - behavior_logp_bt  # log(pi_prox / mu)
   stats = dict(

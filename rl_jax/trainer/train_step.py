@@ -1,25 +1,7 @@
-"""Train batches from rollout groups, and the sharded GRPO / SFT update.
+"""The sharded GRPO / SFT update (batches: rl_jax.trainer.batch).
 
-Shape letters: b = rows of the batch (rollouts plus padding rows), t = token positions
-(the length bucket), v = vocabulary, n = chunks (minibatches or micro-batches).
-
-Batch layout. Row i holds prompt + completion, right padded with pad_id to the
-smallest length bucket that fits. Every per-token array is indexed by the predicting
-position (see rl_jax.trainer.grpo): a completion token at position p + j (prompt length
-p) is predicted at position p + j - 1, so
-
-  mask_bt[i, t] = 1  iff  tokens_bt[i, t + 1] is a completion token the model sampled,
-  behavior_logprobs_bt[i, t] = mu(tokens_bt[i, t + 1]),  versions_bt likewise (-1 off-mask).
-
-Multi-turn rollouts (tool use) interleave model turns with environment observations:
-observation tokens are in tokens_bt (context for every later token) but mask_bt is 0
-where they are predicted (Rollout.model_mask False), so they enter no loss, KL, entropy
-or statistic; their behaviour log-prob is 0 and version -1 there. Supervised warm-up
-batches take the same per-token mask (observations inside a demonstration).
-
-Rows are padded to a multiple of `Trainer.batch_multiple` with all-zero-mask rows so the
-batch splits evenly over data-parallel devices, minibatches and micro-batches
-(make_*_batch(batch_multiple=...) pads on creation; Trainer.step pads whatever is left).
+Shape letters: b = rows the step trains, t = token positions (the length bucket),
+v = vocabulary, n = chunks (minibatches or micro-batches).
 
 Update. `Trainer.step` is one jitted call with donated state:
   1. pi_prox (and pi_ref when kl_beta > 0) log-probs of the whole batch at the current
@@ -50,8 +32,8 @@ RL with fresh Adam moments (and, when kl_beta > 0, the warmed-up params as refer
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
+import logging
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -63,134 +45,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.model import attention as attention_lib
+from rl_jax.trainer import buckets
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
-from rl_jax.trainer.buckets import pick_bucket
+from rl_jax.trainer.batch import (GRPO_KEYS, ROW_KEYS, SFT_KEYS, TrainBatch, batch_rows,
+                                  make_sft_batch, make_train_batch, pad_rows)
 from rl_jax.types import Group
-
-GRPO_KEYS = ("tokens_bt", "mask_bt", "behavior_logprobs_bt", "advantages_b", "versions_bt")
-SFT_KEYS = ("tokens_bt", "mask_bt")
-
-
-@dataclasses.dataclass
-class TrainBatch:
-  """Host-side (numpy) train batch; see the module docstring for the layout."""
-  tokens_bt: np.ndarray  # int32 [b, t]
-  mask_bt: np.ndarray  # bool [b, t], position t predicts a completion token
-  behavior_logprobs_bt: np.ndarray  # float32 [b, t], 0 off-mask
-  advantages_b: np.ndarray  # float32 [b], 0 for padding rows
-  versions_bt: np.ndarray  # int32 [b, t], -1 off-mask
-  rewards_b: np.ndarray  # float32 [b], 0 for padding rows
-  num_rollouts: int  # real rows; rows [num_rollouts, b) are padding
-  zero_var_groups: int  # groups whose rewards were all equal (advantage 0)
-
-  @property
-  def seq_len(self) -> int:
-    return int(self.tokens_bt.shape[1])
-
-  @property
-  def num_tokens(self) -> int:
-    return int(self.mask_bt.sum())
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _pack(prompts, completions, behavior, versions, *, pad_id, length_buckets,
-          batch_multiple, masks=None):
-  """Right-padded token rows and the position-aligned per-token arrays; masks[i] (bool
-  [t_i], None: all True) marks the completion tokens that count (the model's)."""
-  lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-  t = pick_bucket(max(lengths, default=1), length_buckets)
-  b = _round_up(max(len(prompts), 1), batch_multiple)
-  tokens_bt = np.full((b, t), pad_id, np.int32)
-  mask_bt = np.zeros((b, t), bool)
-  behavior_bt = np.zeros((b, t), np.float32)
-  versions_bt = np.full((b, t), -1, np.int32)
-  for i, (p, c) in enumerate(zip(prompts, completions)):
-    if len(p) == 0:
-      raise ValueError("every prompt needs at least one token (e.g. BOS) to predict the "
-                       "first completion token from")
-    tokens_bt[i, :len(p)] = p
-    tokens_bt[i, len(p):len(p) + len(c)] = c
-    pred = slice(len(p) - 1, len(p) + len(c) - 1)
-    model = True if masks is None or masks[i] is None else np.asarray(masks[i], bool)
-    mask_bt[i, pred] = model
-    behavior_bt[i, pred] = np.where(model, behavior[i], 0.0)
-    versions_bt[i, pred] = np.where(model, versions[i], -1)
-  return tokens_bt, mask_bt, behavior_bt, versions_bt
-
-
-def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Sequence[int],
-                     std_normalize: bool, batch_multiple: int = 1,
-                     eps: float = 1e-6) -> TrainBatch:
-  """A GRPO batch: rows in group order, advantages from `grpo.group_advantages` per group.
-
-  Groups may have different sizes (advantages are computed within each group).
-  """
-  rollouts = [r for g in groups for r in g.rollouts]
-  for r in rollouts:
-    for name in ("behavior_logprobs", "token_versions", "model_mask"):
-      value = getattr(r, name)
-      if value is not None and len(value) != len(r.completion_tokens):
-        raise ValueError(f"rollout {r.group_id}/{r.sample_index}: {len(value)} {name} for "
-                         f"{len(r.completion_tokens)} completion tokens")
-  advantages, zero_var = [], 0
-  for g in groups:
-    adv_ng, z = grpo.group_advantages(
-        rewards_ng=np.asarray([r.reward for r in g.rollouts], np.float32)[None],
-        std_normalize=std_normalize, eps=eps)
-    advantages.extend(adv_ng[0].tolist())
-    zero_var += z
-  tokens_bt, mask_bt, behavior_bt, versions_bt = _pack(
-      [r.prompt_tokens for r in rollouts], [r.completion_tokens for r in rollouts],
-      [r.behavior_logprobs for r in rollouts], [r.token_versions for r in rollouts],
-      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple,
-      masks=[r.model_mask for r in rollouts])
-  b = tokens_bt.shape[0]
-  advantages_b = np.zeros((b,), np.float32)
-  advantages_b[:len(rollouts)] = advantages
-  rewards_b = np.zeros((b,), np.float32)
-  rewards_b[:len(rollouts)] = [r.reward for r in rollouts]
-  return TrainBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, behavior_logprobs_bt=behavior_bt,
-                    advantages_b=advantages_b, versions_bt=versions_bt, rewards_b=rewards_b,
-                    num_rollouts=len(rollouts), zero_var_groups=zero_var)
-
-
-def make_sft_batch(prompts_tokens: Sequence[np.ndarray],
-                   completions_tokens: Sequence[np.ndarray], *, pad_id: int,
-                   length_buckets: Sequence[int], batch_multiple: int = 1,
-                   completion_masks: Sequence[np.ndarray | None] | None = None) -> TrainBatch:
-  """A supervised batch: the loss mask covers the completion tokens (include EOS in
-  them if the model should learn to stop), except where completion_masks[i] (bool per
-  completion token) is False: observations in a demonstration are context only.
-  Behaviour log-probs and advantages are 0."""
-  zeros = [np.zeros(len(c), np.float32) for c in completions_tokens]
-  tokens_bt, mask_bt, behavior_bt, versions_bt = _pack(
-      prompts_tokens, completions_tokens, zeros, [z.astype(np.int32) for z in zeros],
-      pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple,
-      masks=completion_masks)
-  b = tokens_bt.shape[0]
-  return TrainBatch(tokens_bt=tokens_bt, mask_bt=mask_bt, behavior_logprobs_bt=behavior_bt,
-                    advantages_b=np.zeros((b,), np.float32), versions_bt=versions_bt,
-                    rewards_b=np.zeros((b,), np.float32),
-                    num_rollouts=len(prompts_tokens), zero_var_groups=0)
-
-
-def pad_rows(batch: TrainBatch, *, multiple: int, pad_id: int) -> TrainBatch:
-  """`batch` with zero-mask padding rows appended up to a multiple of `multiple` rows."""
-  extra = _round_up(batch.tokens_bt.shape[0], multiple) - batch.tokens_bt.shape[0]
-  if extra == 0:
-    return batch
-  pad = lambda x, value: np.concatenate(
-      [x, np.full((extra,) + x.shape[1:], value, x.dtype)], axis=0)
-  return dataclasses.replace(
-      batch, tokens_bt=pad(batch.tokens_bt, pad_id), mask_bt=pad(batch.mask_bt, False),
-      behavior_logprobs_bt=pad(batch.behavior_logprobs_bt, 0.0),
-      advantages_b=pad(batch.advantages_b, 0.0), versions_bt=pad(batch.versions_bt, -1),
-      rewards_b=pad(batch.rewards_b, 0.0))
-
 
 class TrainState(NamedTuple):
   """Trainer state; every leaf lives on the trainer mesh."""
@@ -253,6 +113,7 @@ class Trainer:
     self.loss_norm_len = int(loss_norm_len or max(trainer_cfg.length_buckets))
     self.logprob_chunk_len = int(trainer_cfg.logprob_chunk_len)
     self.logprob_save_bytes = int(trainer_cfg.logprob_save_bytes)
+    self.packed = self._packing()
     self._traces = {"init": 0, "step": 0, "sft_step": 0, "logprobs": 0, "loss_and_grad": 0}
 
     nm = self.num_minibatches
@@ -306,7 +167,8 @@ class Trainer:
         in_shardings=(self.param_shardings, grpo_sh, grpo_sh["behavior_logprobs_bt"], ref_sh),
         out_shardings=(self.replicated, self.param_shardings))
     self._logprobs = jax.jit(
-        self._logprobs_fn, in_shardings=(self.param_shardings, grpo_sh["tokens_bt"]),
+        self._logprobs_fn,
+        in_shardings=(self.param_shardings, {k: grpo_sh[k] for k in ROW_KEYS}),
         out_shardings=grpo_sh["mask_bt"])
 
   def _check_cfg(self):
@@ -318,6 +180,20 @@ class Trainer:
         raise ValueError(f"trainer.{name} must be one of {allowed}, got {getattr(c, name)!r}")
     if int(c.num_minibatches) < 1:
       raise ValueError(f"trainer.num_minibatches must be >= 1, got {c.num_minibatches}")
+    if c.packing not in ("auto", "off"):
+      raise ValueError(f"trainer.packing must be one of ('auto', 'off'), got {c.packing!r}")
+
+  def _packing(self) -> bool:
+    """Whether rows are packed: trainer.packing = auto and the attention kernel takes
+    segment ids; otherwise padded rows, and one warning line when auto cannot pack."""
+    kernel = self.attention.name
+    if self.cfg.packing == "off":
+      return False
+    if kernel not in attention_lib.SEGMENT_KERNELS:
+      logging.warning("trainer.packing=auto: the %r attention kernel takes no segment ids "
+                      "(packed rows) in jax %s; training padded rows", kernel, jax.__version__)
+      return False
+    return True
 
   def _state_shardings(self, optimizer, master_shapes) -> TrainState:
     opt_shapes = jax.eval_shape(optimizer.init, master_shapes)
@@ -381,15 +257,20 @@ class Trainer:
     """Supervised warm-up state (its own optimizer, constant sft_learning_rate)."""
     return self._init("sft", params, rng)
 
-  def _token_stats(self, params, tokens_bt) -> model.TokenStats:
-    """Log-probs, entropy and greedy hits of tokens_bt; the lm head runs in chunks of
-    trainer.logprob_chunk_len positions, so [b, t, v] logits never exist."""
+  def _segments(self, rows):
+    """The rows' segment ids when packed (attention and per-sequence sums use them)."""
+    return rows["segment_ids_bt"] if self.packed else None
+
+  def _token_stats(self, params, rows) -> model.TokenStats:
+    """Log-probs, entropy and greedy hits of rows["tokens_bt"] (ROW_KEYS); the lm head
+    runs in chunks of trainer.logprob_chunk_len positions, so [b, t, v] logits never exist."""
     # Casting before the forward makes FSDP gather compute-dtype (e.g. bf16) shards.
     params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-    x_bte = model.hidden_states(self.model_cfg, params, tokens_bt)
-    return model.token_stats(self.model_cfg, params, x_bte, tokens_bt,
+    x_bte = model.hidden_states(self.model_cfg, params, rows["tokens_bt"],
+                                rows["positions_bt"], self._segments(rows))
+    return model.token_stats(self.model_cfg, params, x_bte, rows["tokens_bt"],
                              chunk_len=self.logprob_chunk_len,
-                             recompute=self.head_recomputes(tokens_bt.shape))
+                             recompute=self.head_recomputes(rows["tokens_bt"].shape))
 
   def head_recomputes(self, shape_bt) -> bool:
     """Whether the lm head's backward recomputes its logits for a [b, t] micro-batch: the
@@ -398,11 +279,12 @@ class Trainer:
     saved = np.prod(shape_bt) * self.model_cfg.vocab_size * self.compute_dtype.itemsize
     return saved / self.dp > self.logprob_save_bytes
 
-  def _chunked_logprobs(self, params, tokens_bt):
+  def _chunked_logprobs(self, params, rows):
     """Log-probs of a whole batch without gradient, one micro-batch at a time."""
-    rows = self.micro_batch_size or tokens_bt.shape[0]
-    chunks = self._split(tokens_bt, tokens_bt.shape[0] // rows)
-    logp = jax.lax.map(lambda tok: self._token_stats(params, tok).logp_bt, chunks)
+    b = rows["tokens_bt"].shape[0]
+    n = b // (self.micro_batch_size or b)
+    chunks = {k: self._split(rows[k], n) for k in ROW_KEYS}
+    logp = jax.lax.map(lambda c: self._token_stats(params, c).logp_bt, chunks)
     return jax.lax.stop_gradient(_merge_rows(logp))
 
   def _accumulate(self, params, mb, loss_fn):
@@ -432,15 +314,16 @@ class Trainer:
 
   def _grpo_micro_loss(self, params, mc, policy_version):
     c = self.cfg
-    head_out = self._token_stats(params, mc["tokens_bt"])
+    head_out = self._token_stats(params, mc)
     logp_bt = head_out.logp_bt
     prox_bt = mc.get("prox_bt", logp_bt)
     loss, stats = grpo.grpo_loss(
         logp_bt=logp_bt, prox_logp_bt=prox_bt,
         behavior_logp_bt=mc["behavior_logprobs_bt"], ref_logp_bt=mc.get("ref_bt"),
-        adv_b=mc["advantages_b"], mask_bt=mc["mask_bt"], weights_bt=mc["weights_bt"],
+        adv_bt=mc["advantages_bt"], mask_bt=mc["mask_bt"], weights_bt=mc["weights_bt"],
         eps_low=float(c.eps_low), eps_high=float(c.eps_high), tis_cap=float(c.tis_cap),
-        ratio_level=c.ratio_level, kl_beta=float(c.kl_beta), kl_estimator=c.kl_estimator)
+        ratio_level=c.ratio_level, kl_beta=float(c.kl_beta), kl_estimator=c.kl_estimator,
+        seg_bt=self._segments(mc))
     stats["entropy"] = grpo.masked_sum(x_bt=head_out.entropy_bt, mask_bt=mc["mask_bt"])
     stats.update(grpo.logprob_mismatch(
         prox_logp_bt=jax.lax.stop_gradient(prox_bt),
@@ -451,7 +334,8 @@ class Trainer:
   def _minibatch_grads(self, params, mb, policy_version):
     """GRPO loss, stats and gradient of one minibatch, aggregated over all its rows."""
     mb = dict(mb, weights_bt=grpo.loss_weights(
-        mask_bt=mb["mask_bt"], loss_agg=self.cfg.loss_agg, max_len=self.loss_norm_len))
+        mask_bt=mb["mask_bt"], loss_agg=self.cfg.loss_agg, max_len=self.loss_norm_len,
+        seg_bt=self._segments(mb)))
     return self._accumulate(
         params, mb, functools.partial(self._grpo_micro_loss, policy_version=policy_version))
 
@@ -460,7 +344,7 @@ class Trainer:
     self._traces["loss_and_grad"] += 1
     data = dict(batch, prox_bt=prox_bt)
     if self.cfg.kl_beta > 0:
-      data["ref_bt"] = self._chunked_logprobs(ref_params, batch["tokens_bt"])
+      data["ref_bt"] = self._chunked_logprobs(ref_params, batch)
     grads, loss, _ = self._minibatch_grads(params, data, policy_version=-1)
     return loss, grads
 
@@ -472,9 +356,9 @@ class Trainer:
     nm = self.num_minibatches
     data = dict(batch)
     if nm > 1:
-      data["prox_bt"] = self._chunked_logprobs(state.params, batch["tokens_bt"])
+      data["prox_bt"] = self._chunked_logprobs(state.params, batch)
     if self.cfg.kl_beta > 0:
-      data["ref_bt"] = self._chunked_logprobs(ref_params, batch["tokens_bt"])
+      data["ref_bt"] = self._chunked_logprobs(ref_params, batch)
     minibatches = {k: self._split(v, nm) for k, v in data.items()}
     # Updates applied so far (each step attempts nm), which is where the schedule stands.
     applied_before = state.step * nm - state.skipped
@@ -514,7 +398,7 @@ class Trainer:
     return new_state, metrics
 
   def _sft_micro_loss(self, params, mc):
-    head_out = self._token_stats(params, mc["tokens_bt"])
+    head_out = self._token_stats(params, mc)
     loss = -grpo.masked_sum(x_bt=mc["weights_bt"] * head_out.logp_bt, mask_bt=mc["mask_bt"])
     hit_bt = head_out.hit_bt.astype(jnp.float32)
     return loss, dict(correct=grpo.masked_sum(x_bt=hit_bt, mask_bt=mc["mask_bt"]),
@@ -536,10 +420,10 @@ class Trainer:
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                       skipped=skipped), metrics
 
-  def _logprobs_fn(self, params, tokens_bt):
+  def _logprobs_fn(self, params, rows):
     """logp_bt[:, t] = log pi(tokens_bt[:, t + 1]) without gradient."""
     self._traces["logprobs"] += 1
-    return self._chunked_logprobs(params, tokens_bt)
+    return self._chunked_logprobs(params, rows)
 
   def make_train_batch(self, groups: Sequence[Group]) -> TrainBatch:
     return make_train_batch(groups, pad_id=self.model_cfg.pad_id,
@@ -554,9 +438,34 @@ class Trainer:
                           batch_multiple=self.batch_multiple,
                           completion_masks=completion_masks)
 
-  def _device_batch(self, batch: TrainBatch, keys) -> dict[str, jax.Array]:
+  def layouts(self, batch: TrainBatch) -> tuple[buckets.RowLayout, buckets.RowLayout]:
+    """(the rows the step trains, the padded rows) of `batch` padded to batch_multiple."""
     batch = pad_rows(batch, multiple=self.batch_multiple, pad_id=self.model_cfg.pad_id)
-    return {k: jax.device_put(getattr(batch, k), self._batch_sharding(k)) for k in keys}
+    padded = buckets.padded_layout(batch.lengths_b, batch.seq_len)
+    if not self.packed:
+      return padded, padded
+    return buckets.packed_layout(
+        batch.lengths_b, row_len=batch.seq_len, num_minibatches=self.num_minibatches,
+        quantum=self.micro_batch_size or self.dp), padded
+
+  def _device_batch(self, batch: TrainBatch, keys, layout) -> dict[str, jax.Array]:
+    batch = pad_rows(batch, multiple=self.batch_multiple, pad_id=self.model_cfg.pad_id)
+    rows = batch_rows(batch, layout, pad_id=self.model_cfg.pad_id)
+    return {k: jax.device_put(rows[k], self._batch_sharding(k)) for k in keys}
+
+  def _layout_metrics(self, batch: TrainBatch) -> tuple[buckets.RowLayout, dict]:
+    layout, padded = self.layouts(batch)
+    return layout, {"seq_len": float(layout.row_len), "train/rows": float(layout.num_rows),
+                    "train/positions": float(layout.num_rows * layout.row_len),
+                    "train/padding_frac": layout.padding_frac,
+                    "train/padding_frac_unpacked": padded.padding_frac}
+
+  def batch_spec(self, rows: int, row_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract step inputs (GRPO_KEYS) of `rows` trained rows of row_len positions."""
+    dtypes = dict(tokens_bt=jnp.int32, positions_bt=jnp.int32, segment_ids_bt=jnp.int32,
+                  mask_bt=jnp.bool_, behavior_logprobs_bt=jnp.float32,
+                  advantages_bt=jnp.float32, versions_bt=jnp.int32)
+    return {k: jax.ShapeDtypeStruct((rows, row_len), dtypes[k]) for k in GRPO_KEYS}
 
   def _reference(self):
     if self.cfg.kl_beta > 0 and not self.ref_params:
@@ -578,9 +487,10 @@ class Trainer:
     behaviour log-probs with the trainer's own at the same params (-1: no such tokens).
     """
     version = jax.device_put(np.int32(policy_version), self.replicated)
-    state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS), self._reference(),
-                                version)
-    extra = dict(zero_var_groups=float(batch.zero_var_groups), seq_len=float(batch.seq_len),
+    layout, extra = self._layout_metrics(batch)
+    state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS, layout),
+                                self._reference(), version)
+    extra.update(zero_var_groups=float(batch.zero_var_groups),
                  rollouts=float(batch.num_rollouts))
 
     def result() -> dict[str, float]:
@@ -592,21 +502,28 @@ class Trainer:
   def sft_step(self, state: TrainState, batch: TrainBatch
                ) -> tuple[TrainState, dict[str, float]]:
     """One supervised warm-up update on an init_sft_state state (donated)."""
-    state, metrics = self._sft_step(state, self._device_batch(batch, SFT_KEYS))
+    layout, extra = self._layout_metrics(batch)
+    state, metrics = self._sft_step(state, self._device_batch(batch, SFT_KEYS, layout))
     out = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    out.update(seq_len=float(batch.seq_len), learning_rate=self.sft_learning_rate)
+    out.update(extra, learning_rate=self.sft_learning_rate)
     return state, out
 
   def logprobs(self, params, batch: TrainBatch) -> jax.Array:
-    """logp_bt of the batch's tokens under `params` (trainer shardings), position-aligned."""
-    return self._logprobs(params, self._device_batch(batch, ("tokens_bt",))["tokens_bt"])
+    """logp_bt of the batch's tokens under `params` (trainer shardings), position-aligned
+    with the batch's own (padded) rows."""
+    padded = self.layouts(batch)[1]
+    return self._logprobs(params, self._device_batch(batch, ROW_KEYS, padded))
 
   def loss_and_grad(self, params, batch: TrainBatch, prox_logprobs_bt: jax.Array
                     ) -> tuple[jax.Array, Any]:
     """The GRPO loss of the whole batch as one minibatch, and its gradient in params.
 
-    pi_prox is given (e.g. `logprobs(params0, batch)`) rather than recomputed, so the
-    loss is a smooth function of `params` (for gradient checks and probes).
+    pi_prox is given (e.g. `logprobs(params0, batch)`, the batch's padded rows) rather
+    than recomputed, so the loss is a smooth function of `params` (for gradient checks
+    and probes); it is laid out in the trained rows like the batch.
     """
-    return self._loss_and_grad(params, self._device_batch(batch, GRPO_KEYS), prox_logprobs_bt,
+    layout = self.layouts(batch)[0]
+    prox_bt = jax.device_put(layout.scatter(np.asarray(jax.device_get(prox_logprobs_bt)), 0.0),
+                             self._batch_sharding("behavior_logprobs_bt"))
+    return self._loss_and_grad(params, self._device_batch(batch, GRPO_KEYS, layout), prox_bt,
                                self._reference())
