@@ -46,13 +46,14 @@ def long_tail_requests(*, num: int, median: int, tail_frac: float, tail_mult: in
 
 
 def _keys(seeds_b, pos_b):
-  return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds_b, pos_b)
+  return jax.vmap(lambda s, p: jax.random.key_data(
+      jax.random.fold_in(jax.random.key(s), p)))(seeds_b, pos_b)
 
 
 def _sample(logits_bv, seeds_b, pos_b):
   b = logits_bv.shape[0]
   return engine_lib.sample_tokens(
-      logits_bv=logits_bv, keys_b=_keys(seeds_b, pos_b), temperature_b=jnp.ones((b,)),
+      logits_bv=logits_bv, keys_br=_keys(seeds_b, pos_b), temperature_b=jnp.ones((b,)),
       top_k_b=jnp.zeros((b,), jnp.int32), top_p_b=jnp.ones((b,)))[0]
 
 

@@ -25,8 +25,8 @@ picks `w` per call as the smallest width bucket covering every busy slot's pages
 by segment max / sum), whatever the mix of lengths; "pallas_tpu" hands the page table
 and lengths to JAX's Pallas TPU kernel, which stops at each slot's length itself.
 
-Sampling: the sampled token's log-prob is z[token] - logsumexp(z) with z the logits
-actually sampled from (after temperature and truncation), no full log-softmax.
+Sampling: sampling.py (the sampled token's log-prob is z[token] - logsumexp(z), z the
+logits actually sampled from, after temperature and truncation).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rl_jax.model import transformer as tfm
+from rl_jax.sampler import sampling
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 LAYER_MODES = ("unrolled", "scan")
@@ -60,7 +61,7 @@ class DecodeState(NamedTuple):
   generated_b: jax.Array  # int32 tokens sampled since insert
   max_new_b: jax.Array  # int32 sampling budget
   stop_on_eos_b: jax.Array  # bool: a stop id ends the sequence
-  keys_br: jax.Array  # uint32 raw PRNG key per request
+  keys_br: jax.Array  # uint32 [b, 2] raw threefry key per request (sampling.request_key)
   temperature_b: jax.Array  # float32, <= 0 greedy
   top_k_b: jax.Array  # int32, 0 off
   top_p_b: jax.Array  # float32, 1 off
@@ -239,48 +240,14 @@ def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, pages
   return tfm.lm_logits(model_cfg, params, x_b1e)[:, 0], k_pages, v_pages
 
 
-def sample_tokens(*, logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array,
-                  top_k_b: jax.Array, top_p_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(tokens_b int32, logprobs_b float32) for one step; see engine.py's docstring.
-
-  top-k keeps the k highest logits; top-p then keeps the smallest prefix of the sorted
-  distribution whose mass reaches p (the top token always survives). The sort only runs
-  when some slot truncates. logprob = z[token] - logsumexp(z), z the sampled-from logits.
-  """
-  logits_bv = logits_bv.astype(jnp.float32)
-  greedy_b = temperature_b <= 0
-  scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
-  truncate = jnp.any(~greedy_b & ((top_k_b > 0) | (top_p_b < 1)))
-  scaled_bv = lax.cond(truncate, _truncate, lambda x, *_: x, scaled_bv, top_k_b, top_p_b)
-  sampled_b = jax.vmap(jax.random.categorical)(keys_b, scaled_bv)
-  tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), sampled_b).astype(jnp.int32)
-  z_bv = jnp.where(greedy_b[:, None], logits_bv, scaled_bv)
-  z_b = jnp.take_along_axis(z_bv, tokens_b[:, None], axis=-1)[:, 0]
-  return tokens_b, z_b - jax.nn.logsumexp(z_bv, axis=-1)
-
-
-def _truncate(scaled_bv, top_k_b, top_p_b):
-  """scaled_bv with everything outside each row's top-k / top-p set at -inf."""
-  b, v = scaled_bv.shape
-  order_bv = jnp.argsort(-scaled_bv, axis=-1)
-  sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)
-  rank_v = jnp.arange(v)
-  keep_bv = (top_k_b[:, None] <= 0) | (rank_v[None] < top_k_b[:, None])
-  probs_bv = jax.nn.softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
-  mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
-  # top_p == 1 keeps everything even when float rounding lets the cumulative mass hit 1.
-  keep_bv &= (mass_before_bv < top_p_b[:, None]) | (top_p_b[:, None] >= 1)
-  keep_orig_bv = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order_bv].set(keep_bv)
-  return jnp.where(keep_orig_bv, scaled_bv, -jnp.inf)
-
-
 def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, attention,
-                live=None):
+                truncate=True, live=None):
   """One token for every slot: (new state, (tokens_b, logprobs_b, valid_b, finish_b)).
 
   state.page_table_bm may be a prefix of the columns (width w): a busy slot's position
   must fall in its first w pages. With attention "ragged", live = (live_slot_u,
-  live_col_u) lists every page column a busy slot may read in this call.
+  live_col_u) lists every page column a busy slot may read in this call. truncate:
+  the sampling variant (sampling.sample_tokens); False when no slot truncates.
   """
   pos_b = state.lengths_b
   p = (state.k_pages[0] if layers == "unrolled" else state.k_pages).shape[-2]
@@ -296,11 +263,10 @@ def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, atte
       model_cfg, params, state.tokens_b, pos_b, state.k_pages, state.v_pages,
       pages=pages, write_page_b=page_b, layers=layers, attention=attention)
 
-  step_keys_b = jax.vmap(lambda raw, pos: jax.random.fold_in(jax.random.wrap_key_data(raw),
-                                                             pos))(state.keys_br, pos_b)
-  tokens_b, logprobs_b = sample_tokens(
-      logits_bv=logits_bv, keys_b=step_keys_b, temperature_b=state.temperature_b,
-      top_k_b=state.top_k_b, top_p_b=state.top_p_b)
+  tokens_b, logprobs_b = sampling.sample_tokens(
+      logits_bv=logits_bv, keys_br=sampling.step_keys(state.keys_br, pos_b),
+      temperature_b=state.temperature_b, top_k_b=state.top_k_b, top_p_b=state.top_p_b,
+      truncate=truncate)
 
   valid_b = state.active_b
   generated_b = state.generated_b + valid_b

@@ -19,18 +19,21 @@ its page, attends over the slot's pages, samples the next token and advances. So
 the first decode step, which returns the first completion token (JetStream 0.2.2
 semantics: the first token comes from the first generate).
 
-Sampling (per slot, on device; decode.sample_tokens): temperature <= 0 is greedy,
-otherwise temperature, top-k, top-p, then a categorical draw keyed by
+Sampling (per slot, on device; sampling.py): temperature <= 0 is greedy, otherwise
+temperature, top-k, top-p, then a Gumbel-max draw keyed by
 fold_in(fold_in(key(seed), sample_index), position), so a request's tokens do not depend
 on its slot or batch. The log-prob is the sampled token's under the distribution sampled
 from; greedy slots report the model's temperature-1 log-prob of the argmax token.
+Truncation is a program variant: the top-k pass runs only once this engine has
+inserted a request that truncates (decided on the host, no conditional in the step).
 
 Page ownership is host-side (page_table.py); the engine only follows page tables. Page
 `NULL_PAGE` absorbs the writes of idle slots. A sequence that may sample n tokens after
 c cached prompt tokens needs pages for c + n positions (every decode input is cached).
 
-Programs: generate compiles per (slot bucket, page-width bucket) pair (Engine.__init__),
-and the fused apply_and_generate likewise, with and without its prefill lane.
+Programs: generate compiles per (slot bucket, page-width bucket, truncation) triple
+(Engine.__init__), and the fused apply_and_generate likewise, with and without its
+prefill lane. Slot and page-width buckets are 2^i and 1.5 x 2^i (at most 1/3 padding).
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -46,12 +49,13 @@ from jax.sharding import Mesh, NamedSharding
 
 from rl_jax import model
 from rl_jax import sharding as shd
-from rl_jax.sampler import decode, extend
+from rl_jax.sampler import decode, extend, sampling
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill_lane as prefill_lane_lib
 from rl_jax.sampler import updates
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
-                                   DecodeState, StepOutput, sample_tokens)  # (re-exported)
+                                   DecodeState, StepOutput)  # (re-exported)
+from rl_jax.sampler.sampling import sample_tokens  # noqa: F401  (re-exported)
 
 _LAYER_POOL_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
 _PREFIX_AXES = ("layers", "kv_heads", "length", "head_dim")
@@ -160,9 +164,11 @@ def _prefill_into_pages(params, state, tokens_nt, true_length_n, pages_nm, *, mo
                           page_size=page_size)
 
 
-def _pow2_buckets(largest: int) -> tuple[int, ...]:
-  """Powers of two below `largest`, then `largest`."""
-  return tuple(sorted({b for b in (2 ** i for i in range(31)) if b < largest} | {largest}))
+def _buckets(largest: int) -> tuple[int, ...]:
+  """2^i and 3 x 2^i (1.5 x 2^(i+1)) below `largest`, then `largest`: a bucket pads at
+  most a third of its size."""
+  return tuple(sorted({b for i in range(31) for b in (2 ** i, 3 * 2 ** i) if b < largest} |
+                      {largest}))
 
 
 class Engine:
@@ -224,12 +230,11 @@ class Engine:
         {b for b in (2 ** i for i in range(4, 20)) if b < self._max_prefill_length} |
         {self._max_prefill_length}))
     # generate runs over the first k slots and the first w page-table columns only.
-    self.slot_buckets = _pow2_buckets(self._slots)
-    self.page_buckets = _pow2_buckets(self.pages_per_seq)
-    # Live-page counts: powers of two and 1.5x powers of two (at most 1/3 padding).
-    self.live_buckets = tuple(sorted(
-        {b for i in range(31) for b in (2 ** i, 3 * 2 ** i)
-         if b < self._slots * self.pages_per_seq} | {self._slots * self.pages_per_seq}))
+    self.slot_buckets = _buckets(self._slots)
+    self.page_buckets = _buckets(self.pages_per_seq)
+    self.live_buckets = _buckets(self._slots * self.pages_per_seq)  # ragged attention
+    # The truncating sampling variant, once any request has asked for top-k / top-p.
+    self.truncate = False
 
     cfg = self.model_cfg
     param_shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
@@ -241,7 +246,7 @@ class Engine:
                                               self._max_prefill_length, cfg.head_dim))
     self.prefix_shardings = Prefix(prefix_sh, prefix_sh, shd.replicated(mesh),
                                    shd.replicated(mesh))
-    self._generate: dict[tuple[int, int], Any] = {}  # (k, w) -> jitted, built on first use
+    self._generate: dict[tuple, Any] = {}  # (k, w, u, fused, truncate) -> jitted
     self._build_programs()
 
   def _build_programs(self) -> None:
@@ -270,12 +275,14 @@ class Engine:
                           in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
 
   def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0,
-                       fused: int = 0):
+                       fused: int = 0, truncate: bool | None = None):
     """The jitted generate over slots [0, num_slots) and page columns [0, num_pages);
     with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets).
     fused 1: updates.apply_and_generate (a packed update applied first, outputs packed),
-    2: the same with the prefill lane."""
-    key = (int(num_slots), int(num_pages), int(num_live), int(fused))
+    2: the same with the prefill lane. truncate: the sampling variant (None: the
+    engine's current `truncate`)."""
+    truncate = self.truncate if truncate is None else bool(truncate)
+    key = (int(num_slots), int(num_pages), int(num_live), int(fused), truncate)
     ragged = self.attention == "ragged"
     if (key[0] not in self.slot_buckets or key[1] not in self.page_buckets or
         (key[2] not in self.live_buckets if ragged else key[2])):
@@ -286,7 +293,7 @@ class Engine:
       rep = shd.replicated(self._mesh)
       kw = dict(num_slots=key[0], num_pages=key[1], steps=self.steps_per_call,
                 model_cfg=self.model_cfg, stop_ids=self.stop_ids, layers=self.layers,
-                attention=self.attention)
+                attention=self.attention, truncate=truncate)
       if fused:
         layout = self.fused_layout._replace(lane=self.prefill_lane if fused == 2 else 0)
         fn = functools.partial(updates.apply_and_generate, layout=layout, **kw)
@@ -439,6 +446,7 @@ class Engine:
 
   def apply_updates(self, decode_state: DecodeState, pending: updates.Pending) -> DecodeState:
     """Apply staged slot / page-table updates now, in one call."""
+    self.truncate |= pending.truncates()
     return self._apply(decode_state, pending.pack(self.update_layout))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, pages,
@@ -474,6 +482,7 @@ class Engine:
     else the lane and the updates go first by calls of their own. Returns the new state
     and the outputs packed in one array, not waited for: updates.unpack_output(
     np.asarray(x), steps_per_call) gives the StepOutput. Clears `pending`."""
+    self.truncate |= pending.truncates()
     layout = self.fused_layout._replace(lane=self.prefill_lane if pending.lane else 0)
     if not pending.fits(layout):  # more inserts or rows than one fused call carries
       lane = pending.take_lane()
