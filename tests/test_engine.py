@@ -12,6 +12,7 @@ from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.sampler import engine as E
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import sampling
 
 CFG = model.get_preset("tiny_char")
 PAGE = 4
@@ -116,7 +117,8 @@ def test_sample_tokens_temperature_matches_softmax():
   logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
   n, temp = 6000, 0.7
   tokens, logprobs = E.sample_tokens(
-      logits_bv=jnp.tile(logits, (n, 1)), keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), n)),
+      logits_bv=jnp.tile(logits, (n, 1)),
+      keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), n)),
       temperature_b=jnp.full((n,), temp), top_k_b=jnp.zeros((n,), jnp.int32),
       top_p_b=jnp.ones((n,)))
   probs = np.asarray(jax.nn.softmax(logits / temp))
@@ -127,13 +129,18 @@ def test_sample_tokens_temperature_matches_softmax():
                              atol=1e-5)
 
 
-@pytest.mark.parametrize("top_k,top_p,allowed", [(3, 1.0, [0, 1, 3]), (0, 0.75, [0, 3]),
-                                                 (3, 0.5, [3])])
-def test_sample_tokens_truncation(top_k, top_p, allowed):
+@pytest.mark.parametrize("top_k,top_p,cap,allowed", [
+    (3, 1.0, 256, [0, 1, 3]), (0, 0.75, 256, [0, 3]), (3, 0.5, 256, [3]),
+    (3, 1.0, 4, [0, 1, 3]), (0, 0.75, 4, [0, 3]), (0, 0.9999, 4, [0, 1, 3, 4])])
+def test_sample_tokens_truncation(top_k, top_p, cap, allowed, monkeypatch):
+  """Truncated sampling equals the softmax over the kept tokens; a nucleus wider than
+  the top_k cap is cut at the cap's candidates."""
+  monkeypatch.setattr(sampling, "TRUNCATION_CAP", cap)
   logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
   n = 3000
   tokens, logprobs = E.sample_tokens(
-      logits_bv=jnp.tile(logits, (n, 1)), keys_br=jax.random.key_data(jax.random.split(jax.random.key(1), n)),
+      logits_bv=jnp.tile(logits, (n, 1)),
+      keys_br=jax.random.key_data(jax.random.split(jax.random.key(1), n)),
       temperature_b=jnp.ones((n,)), top_k_b=jnp.full((n,), top_k, jnp.int32),
       top_p_b=jnp.full((n,), top_p))
   probs = np.zeros(6)
@@ -145,6 +152,42 @@ def test_sample_tokens_truncation(top_k, top_p, allowed):
   assert chi2 < 16.3, (chi2, counts)  # <= 2 dof: p = 0.0003
   np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[np.asarray(tokens)]),
                              atol=1e-5)
+
+
+def test_threefry_keys_match_jax():
+  """The unrolled Threefry equals JAX's, and request / step keys equal JAX's fold_in."""
+  import jax.extend.random as jr
+  key = jax.random.key_data(jax.random.key(3))
+  x = jnp.arange(10, dtype=jnp.uint32) * 977
+  y0, y1 = sampling.threefry2x32(key[0], key[1], x[:5], x[5:])
+  np.testing.assert_array_equal(np.concatenate([y0, y1]), jr.threefry_2x32(key, x))
+  for seed, index in ((0, 0), (7, 3), (2 ** 31 - 1, 1000)):
+    want = jax.random.fold_in(jax.random.key(seed), index)
+    raw = sampling.request_key(seed, index)
+    np.testing.assert_array_equal(raw, jax.random.key_data(want))
+    np.testing.assert_array_equal(
+        sampling.step_keys(jnp.asarray(raw)[None], jnp.asarray([5]))[0],
+        jax.random.key_data(jax.random.fold_in(want, 5)))
+
+
+def test_step_programs_have_no_loop_sort_or_conditional(params):
+  """One decode step per call compiles to straight-line HLO (a cost analysis counts all
+  of it); the truncating variant only once a request truncates."""
+  eng = make_engine(steps_per_call=1)
+  p_shapes = jax.eval_shape(lambda: params)
+  s_shapes = jax.eval_shape(eng.init_decode_state)
+  for truncate in (False, True):
+    hlo = eng.generate_program(4, eng.pages_per_seq, truncate=truncate).lower(
+        p_shapes, s_shapes).compile().as_text()
+    assert " while(" not in hlo and " conditional(" not in hlo
+    assert (" sort(" in hlo or "topk" in hlo.lower()) == truncate
+  state = eng.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
+  state, _ = start(eng, params, state, alloc, 0, PROMPTS[0],
+                   sampling=E.Sampling(temperature=0.5))
+  assert not eng.truncate
+  start(eng, params, state, alloc, 1, PROMPTS[1], sampling=E.Sampling(top_p=0.9))
+  assert eng.truncate
 
 
 def test_sample_tokens_greedy_reports_model_logprob():

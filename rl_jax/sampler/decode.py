@@ -42,7 +42,6 @@ from rl_jax.sampler import sampling
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 LAYER_MODES = ("unrolled", "scan")
-ATTENTION_IMPLS = ("jnp", "pallas_tpu", "ragged")
 NULL_PAGE = 0  # absorbs the writes of idle slots (page_table.NULL_PAGE)
 
 
@@ -91,8 +90,9 @@ def resolve_attention(impl: str, backend: str | None = None) -> str:
   (a page-table gather at the [k, n, p, d] layout)."""
   if impl == "auto":
     return "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "jnp"
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"sampler.attention must be auto, jnp, pallas_tpu or ragged, got {impl!r}")
+  if impl not in ATTENTION:
+    raise ValueError(f"sampler.attention must be one of auto, {', '.join(ATTENTION)}, "
+                     f"got {impl!r}")
   return impl
 
 
@@ -164,10 +164,12 @@ def _ragged(q_bhd, k_pages_knpd, v_pages_knpd, live, kv_len_b):
   return ragged_attention_jnp(q_bhd, k_pages_knpd, v_pages_knpd, *live, kv_len_b)
 
 
+# The one dispatch point of decode attention (sampler.attention names its key):
 # attention(q_bhd, k_pages_knpd, v_pages_knpd, pages, kv_len_b) -> out_bhd, where pages is
 # the [b, w] page table, or (live_page_u, live_slot_u, live_col_u) for "ragged".
-_ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu,
-              "ragged": _ragged}
+ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu,
+             "ragged": _ragged}
+ATTENTION_IMPLS = tuple(ATTENTION)
 
 
 def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, pages, kv_len_b,
@@ -233,7 +235,7 @@ def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, pages
   x_b1e, cos_b1d, sin_b1d = embed_positions(model_cfg, params, tokens_b[:, None],
                                             pos_b[:, None])
   attend_at = functools.partial(
-      _layer_attend, attention=_ATTENTION[attention], pages=pages,
+      _layer_attend, attention=ATTENTION[attention], pages=pages,
       kv_len_b=pos_b + 1, write_page_b=write_page_b, write_slot_b=pos_b % p)
   x_b1e, k_pages, v_pages = run_layers(model_cfg, params, x_b1e, cos_b1d, sin_b1d,
                                        k_pages, v_pages, attend_at, layers=layers)

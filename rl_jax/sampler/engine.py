@@ -32,8 +32,9 @@ Page ownership is host-side (page_table.py); the engine only follows page tables
 c cached prompt tokens needs pages for c + n positions (every decode input is cached).
 
 Programs: generate compiles per (slot bucket, page-width bucket, truncation) triple
-(Engine.__init__), and the fused apply_and_generate likewise, with and without its
-prefill lane. Slot and page-width buckets are 2^i and 1.5 x 2^i (at most 1/3 padding).
+(Engine.__init__), and the fused apply_and_generate likewise, without a prefill lane
+and with each lane size the passes use (prefill_lane.sizes). Slot and page-width
+buckets are 2^i and 1.5 x 2^i (at most 1/3 padding).
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -182,12 +183,12 @@ class Engine:
   a partial page), set_page_rows (grow page tables), free_slots, move_slots (one
   program for all four: updates.apply), generate(num_slots=k, num_pages=w, live=...)
   (decode only the first k slots when few are busy, reading only the pages they use),
-  apply_and_generate (prompts in a prefill lane of `prefill_lane` tokens, default twice
-  max_prefill_length, then updates staged in an updates.Pending, then generate: the
-  Generator's one dispatch per pass), pad_tokens.
+  apply_and_generate (prompts in a prefill lane of up to `prefill_lane` tokens, default
+  twice max_prefill_length, in one of lane_sizes; then updates staged in an
+  updates.Pending, then generate: the Generator's one dispatch per pass), pad_tokens.
   Every device method is jitted once per input shape (prefill once per length bucket,
-  generate once per (slot bucket, page-width bucket) pair it is called with, and
-  apply_and_generate once per pair with and once without the lane).
+  generate once per (slot bucket, page-width bucket, truncation) it is called with, and
+  apply_and_generate once per such key without the lane and once per lane size used).
   """
 
   def __init__(self, model_cfg: model.ModelConfig, *, mesh: Mesh,
@@ -222,6 +223,7 @@ class Engine:
     # Prompt tokens the fused generate call can prefill (prefill_lane.py).
     self.prefill_lane = int(prefill_lane_lib.default_tokens(self._max_prefill_length)
                             if prefill_lane is None else prefill_lane)
+    self.lane_sizes = prefill_lane_lib.sizes(self.prefill_lane)
     self.max_seq_len = self._max_prefill_length + self.max_new_tokens
     self.pages_per_seq = pt.pages_for(self.max_seq_len, self.page_size)
     self.kv_dtype = jnp.dtype(dtype)
@@ -246,7 +248,7 @@ class Engine:
                                               self._max_prefill_length, cfg.head_dim))
     self.prefix_shardings = Prefix(prefix_sh, prefix_sh, shd.replicated(mesh),
                                    shd.replicated(mesh))
-    self._generate: dict[tuple, Any] = {}  # (k, w, u, fused, truncate) -> jitted
+    self._generate: dict[tuple, Any] = {}  # (k, w, u, fused, truncate, lane) -> jitted
     self._build_programs()
 
   def _build_programs(self) -> None:
@@ -275,14 +277,18 @@ class Engine:
                           in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
 
   def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0,
-                       fused: int = 0, truncate: bool | None = None):
+                       fused: int = 0, truncate: bool | None = None,
+                       lane: int | None = None):
     """The jitted generate over slots [0, num_slots) and page columns [0, num_pages);
     with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets).
     fused 1: updates.apply_and_generate (a packed update applied first, outputs packed),
-    2: the same with the prefill lane. truncate: the sampling variant (None: the
-    engine's current `truncate`)."""
+    2: the same with a prefill lane of `lane` tokens (one of lane_sizes; None: the
+    largest). truncate: the sampling variant (None: the engine's current `truncate`)."""
     truncate = self.truncate if truncate is None else bool(truncate)
-    key = (int(num_slots), int(num_pages), int(num_live), int(fused), truncate)
+    lane = (self.prefill_lane if lane is None else int(lane)) if fused == 2 else 0
+    if lane and lane not in self.lane_sizes:
+      raise ValueError(f"lane must be one of {self.lane_sizes}, got {lane}")
+    key = (int(num_slots), int(num_pages), int(num_live), int(fused), truncate, lane)
     ragged = self.attention == "ragged"
     if (key[0] not in self.slot_buckets or key[1] not in self.page_buckets or
         (key[2] not in self.live_buckets if ragged else key[2])):
@@ -295,7 +301,7 @@ class Engine:
                 model_cfg=self.model_cfg, stop_ids=self.stop_ids, layers=self.layers,
                 attention=self.attention, truncate=truncate)
       if fused:
-        layout = self.fused_layout._replace(lane=self.prefill_lane if fused == 2 else 0)
+        layout = self.fused_layout._replace(lane=lane)
         fn = functools.partial(updates.apply_and_generate, layout=layout, **kw)
         args, out = (self.param_shardings, self.state_shardings, rep), rep
       else:
@@ -483,7 +489,8 @@ class Engine:
     and the outputs packed in one array, not waited for: updates.unpack_output(
     np.asarray(x), steps_per_call) gives the StepOutput. Clears `pending`."""
     self.truncate |= pending.truncates()
-    layout = self.fused_layout._replace(lane=self.prefill_lane if pending.lane else 0)
+    lane = next(n for n in self.lane_sizes if n >= pending.lane_used) if pending.lane else 0
+    layout = self.fused_layout._replace(lane=lane)
     if not pending.fits(layout):  # more inserts or rows than one fused call carries
       lane = pending.take_lane()
       if lane:  # the template pages first, as the fused program would
@@ -491,16 +498,17 @@ class Engine:
       decode_state = self.apply_updates(decode_state, pending)
       pending.clear()
       layout = self.fused_layout
-    program, args = self._generate_call(fused=1 + bool(layout.lane), **generate_kw)
+    program, args = self._generate_call(fused=1 + bool(layout.lane), lane=layout.lane,
+                                        **generate_kw)
     upd_v = pending.pack(layout)
     pending.clear()
     return program(params, decode_state, upd_v, *args)
 
-  def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused):
+  def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused, lane=None):
     k = self._slots if num_slots is None else int(num_slots)
     w = self.pages_per_seq if num_pages is None else int(num_pages)
     if self.attention != "ragged":
-      return self.generate_program(k, w, fused=fused), ()
+      return self.generate_program(k, w, fused=fused, lane=lane), ()
     if live is None:  # every column of every slot
       live = (np.repeat(np.arange(k), w), np.tile(np.arange(w), k))
     w = self.pages_per_seq  # only the KV writes read the table: one width
@@ -509,7 +517,7 @@ class Engine:
     pad = u - slot_u.shape[0]
     slot_u = np.concatenate([slot_u, np.zeros((pad,), np.int32)])
     col_u = np.concatenate([col_u, np.full((pad,), -1, np.int32)])
-    return self.generate_program(k, w, u, fused=fused), ((slot_u, col_u),)
+    return self.generate_program(k, w, u, fused=fused, lane=lane), ((slot_u, col_u),)
 
   def move_slots(self, decode_state: DecodeState, src, dst) -> DecodeState:
     """Move the sequences in slots `src` to the idle slots `dst` (their pages stay)."""

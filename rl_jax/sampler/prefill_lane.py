@@ -11,8 +11,8 @@ lane (the segment) and the page that holds that position. One forward over the l
 attends causally within each segment, so packed prompts never see each other, and
 scatters every token's K/V into its page; padding tokens form segment -1 and write to
 the null page. Prompts that do not fit go through Engine.prefill_into_pages instead.
-One lane size means one extra program per (slot bucket, width bucket) pair, whatever
-the prompt lengths.
+Two lane sizes (`sizes`) mean at most two extra programs per (slot bucket, width bucket)
+pair, whatever the prompt lengths.
 """
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ FIELDS = 4  # token, position, segment, page
 def default_tokens(max_prefill_length: int) -> int:
   """Engine.prefill_lane when not given: room for two of the longest prompts."""
   return 2 * int(max_prefill_length)
+
+
+def sizes(lane: int) -> tuple[int, ...]:
+  """The lane sizes a fused call may take, the smallest that holds a pass's prompts:
+  a quarter lane (most passes start few prompts) and the whole lane. The lane's bytes
+  grow with its size (weights and the KV scatters are fixed, the activations and
+  the L x L attention scale), so a short pass need not pay for the whole lane."""
+  return tuple(sorted({max(1, int(lane) // 4), int(lane)}))
 
 
 class Lane(NamedTuple):
