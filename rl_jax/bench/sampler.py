@@ -178,10 +178,11 @@ def run_paged(requests, *, engine, params):
   state = engine.init_decode_state()
   for k in engine.slot_buckets:  # every generate and batched-prefill variant the run may use
     for w in engine.page_buckets:
-      for lane in (False, True):  # with a prompt in the prefill lane (written to the null page)
+      for lane in (0,) + engine.lane_sizes:  # each lane size (prompts go to the null page)
         pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
         if lane:
-          pending.prefill(np.ones((2,), np.int32), [pt.NULL_PAGE])
+          pending.prefill(np.ones((lane + 1,), np.int32),
+                          [pt.NULL_PAGE] * pt.pages_for(lane, engine.page_size))
         state, out = engine.apply_and_generate(params, state, pending, num_slots=k,
                                                num_pages=w)
     for t in engine.prefill_buckets:  # prompts of t tokens, written to the null page

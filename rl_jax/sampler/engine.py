@@ -73,7 +73,9 @@ def resolve_dtype(name: str, backend: str | None = None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off."""
+  """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off.
+  Truncation keeps at most sampling.TRUNCATION_CAP (256) candidates: a larger top_k acts
+  as the cap, and a nucleus wider than the cap is cut there (sampling.py)."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
