@@ -190,6 +190,25 @@ def test_step_programs_have_no_loop_sort_or_conditional(params):
   assert eng.truncate
 
 
+@pytest.mark.parametrize("implementation", ["xla", "splash"])
+def test_lane_attention_equals_each_prompt_alone(implementation):
+  """The prefill lane's packed attention (XLA mask, or splash segment ids in interpret
+  mode) equals causal attention over each prompt on its own; padding is segment -1."""
+  from rl_jax.sampler import prefill_lane
+  lengths = (5, 1, 7, 3)  # the last three positions are padding
+  seg = np.concatenate([np.full(n, i if i < 3 else -1) for i, n in enumerate(lengths)])
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, len(seg), h, 8))
+             for i, h in enumerate((6, 2, 2)))
+  out = prefill_lane.lane_attention(q, k, v, jnp.asarray(seg, jnp.int32),
+                                    implementation=implementation)
+  at = 0
+  for n in lengths[:3]:
+    sl = slice(at, at + n)
+    want = model.causal_attention(q[:, sl], k[:, sl], v[:, sl], implementation="jnp")
+    np.testing.assert_allclose(out[:, sl], want, atol=1e-5)
+    at += n
+
+
 def test_sample_tokens_greedy_reports_model_logprob():
   logits = jax.random.normal(jax.random.key(2), (3, 11))
   tokens, logprobs = E.sample_tokens(

@@ -102,9 +102,11 @@ def _splash_kernel(n: int, g: int, interpret: bool):
   return sk.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array,
-                            v_btkd: jax.Array) -> jax.Array:
-  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd."""
+def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
+                            segment_ids_bt: jax.Array | None = None) -> jax.Array:
+  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd.
+  With segment_ids_bt (int32) a query sees only keys of its own segment (packed
+  sequences, e.g. the sampler's prefill lane); padding positions form segment -1."""
   b, t, h, d = q_bthd.shape
   kh = k_btkd.shape[2]
   g = h // kh
@@ -116,7 +118,18 @@ def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array,
   q_bkgnd = q_bnhd.reshape(b, n, kh, g, d).transpose(0, 2, 3, 1, 4)
   k_bknd, v_bknd = k_bnkd.transpose(0, 2, 1, 3), v_bnkd.transpose(0, 2, 1, 3)
   kernel = _splash_kernel(n, g, jax.default_backend() != "tpu")
-  out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
+  if segment_ids_bt is None:
+    out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
+  else:
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    seg_bn = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, n - t)),
+                     constant_values=-1)
+
+    def row(q_kgnd, k_knd, v_knd, seg_n):
+      ids = sk.SegmentIds(q=seg_n, kv=seg_n)
+      return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q_kgnd, k_knd, v_knd)
+
+    out_bkgnd = jax.vmap(row)(q_bkgnd, k_bknd, v_bknd, seg_bn)
   out_bnhd = out_bkgnd.transpose(0, 3, 1, 2, 4).reshape(b, n, h, d)
   return out_bnhd[:, :t].astype(v_btkd.dtype)
 
