@@ -10,6 +10,7 @@ import pytest
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.sampler.decode import layer_params
 from rl_jax.sampler import engine as E
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import sampling
@@ -174,7 +175,7 @@ def test_step_programs_have_no_loop_sort_or_conditional(params):
   """One decode step per call compiles to straight-line HLO (a cost analysis counts all
   of it); the truncating variant only once a request truncates."""
   eng = make_engine(steps_per_call=1)
-  p_shapes = jax.eval_shape(lambda: params)
+  p_shapes = jax.eval_shape(eng.load_params, params)
   s_shapes = jax.eval_shape(eng.init_decode_state)
   for truncate in (False, True):
     hlo = eng.generate_program(4, eng.pages_per_seq, truncate=truncate).lower(
@@ -333,7 +334,9 @@ def test_sharded_meshes_and_multistep_match_single_device(engine, params):
     if kw.get("mesh_shape") == (1, 1, 2):
       spec = eng.state_shardings.k_pages[0].spec
       assert tuple(spec) == ("tensor", None, None, None)
-      assert p["layers"]["k"].sharding.spec[2] == "tensor"
+      k = layer_params(p, 0)["k"]  # [e, k, d] (per-layer weights when unrolled)
+      assert isinstance(p["layers"], tuple) == (eng.layers == "unrolled")
+      assert k.sharding.spec[1] == "tensor"
     if kw.get("mesh_shape") == (2, 1, 1):  # slots split over data, pools replicated
       assert tuple(eng.state_shardings.page_table_bm.spec) == ("data", None)
       assert tuple(eng.state_shardings.k_pages[0].spec) == (None,) * 4

@@ -28,6 +28,7 @@ import numpy as np
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.sampler import decode
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import generator as generator_lib
 from rl_jax.sampler import page_table as pt
@@ -226,16 +227,17 @@ def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac:
       num_pages=num_pages, max_prefill_length=max_prompt, max_new_tokens=max_new,
       steps_per_call=steps_per_call, layers=layers)
   params = engine.load_params(rng=jax.random.key(seed))
+  stacked = jax.jit(decode.stack_layers)(params)  # the dense baselines' layout
 
   rows = {}
   wall, tokens, done, peak, preempt = run_paged(reqs, engine=engine, params=params)
   rows["paged"] = dict(wall_s=wall, tokens=tokens, done=done, kv_pages=peak)
-  wall, tokens, done = run_static(reqs, params=params, model_cfg=engine.model_cfg, mesh=mesh,
+  wall, tokens, done = run_static(reqs, params=stacked, model_cfg=engine.model_cfg, mesh=mesh,
                                   batch=batch, max_prompt=max_prompt, max_new=max_new)
   rows["static"] = dict(wall_s=wall, tokens=tokens, done=done,
                         kv_pages=pt.pages_for(dense_tokens, page_size))
   sub = reqs[:recompute_requests] if recompute_requests else reqs
-  wall, tokens, done = run_recompute(sub, params=params, model_cfg=engine.model_cfg,
+  wall, tokens, done = run_recompute(sub, params=stacked, model_cfg=engine.model_cfg,
                                      mesh=mesh, batch=batch, max_width=max_prompt + max_new)
   rows["recompute"] = dict(wall_s=wall, tokens=tokens, done=done, kv_pages=0)
 

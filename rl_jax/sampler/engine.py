@@ -46,7 +46,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax import model
 from rl_jax import sharding as shd
@@ -115,7 +115,8 @@ def _prompt_kv(params, tokens_nt, *, model_cfg, kv_dtype):
   positions_nt = jnp.broadcast_to(jnp.arange(tokens_nt.shape[1], dtype=jnp.int32),
                                   tokens_nt.shape)
   # Logits are not returned, so XLA drops the vocabulary projection.
-  _, (k_lntkd, v_lntkd) = model.forward(model_cfg, params, tokens_nt, positions_nt,
+  _, (k_lntkd, v_lntkd) = model.forward(model_cfg, decode.stack_layers(params), tokens_nt,
+                                        positions_nt,
                                         attn_fn=functools.partial(
                                             _prefill_attention,
                                             implementation=model_cfg.attention))
@@ -242,8 +243,14 @@ class Engine:
 
     cfg = self.model_cfg
     param_shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    self.param_shardings = shd.tree_shardings(model.param_logical_axes(cfg), param_shapes,
+    self.stacked_shardings = shd.tree_shardings(model.param_logical_axes(cfg), param_shapes,
                                               mesh, rules)
+    self.param_shardings = self.stacked_shardings
+    if self.layers == "unrolled":  # per-layer weights (_layout): the layer axis dropped
+      layer = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])),
+                           self.stacked_shardings["layers"])
+      self.param_shardings = {**self.stacked_shardings,
+                              "layers": (layer,) * cfg.num_layers}
     self.state_shardings = self._state_shardings()
     self.output_shardings = self._output_shardings(self._slots)
     prefix_sh = self._sharding(_PREFIX_AXES, (cfg.num_layers, cfg.num_kv_heads,
@@ -255,8 +262,10 @@ class Engine:
 
   def _build_programs(self) -> None:
     cfg, st, rep = self.model_cfg, self.state_shardings, shd.replicated(self._mesh)
-    self._init_params = jax.jit(functools.partial(model.init_params, cfg),
+    self._init_params = jax.jit(lambda rng: self._layout(model.init_params(cfg, rng)),
                                 in_shardings=rep, out_shardings=self.param_shardings)
+    self._unstack = jax.jit(decode.unstack_layers, in_shardings=(self.stacked_shardings,),
+                            out_shardings=self.param_shardings)
     self._init_state = jax.jit(self._zero_state, in_shardings=(), out_shardings=st)
     self._prefill = jax.jit(
         functools.partial(_prefill, model_cfg=cfg, kv_dtype=self.kv_dtype),
@@ -380,13 +389,29 @@ class Engine:
   def _zero_state(self) -> DecodeState:
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._state_shapes())
 
+  def _layout(self, params):
+    """params in the sampler's layer layout: per-layer weights with unrolled layers
+    (decode.layer_params: no slice copy per step), stacked with scanned layers."""
+    return decode.unstack_layers(params) if self.layers == "unrolled" else params
+
   def load_params(self, params: Any = None, *, rng: jax.Array | None = None) -> Any:
-    """`params` cast to the sampler dtype and placed with the sampler shardings (no copy
-    when already there); random weights from `rng` when params is None."""
+    """`params` (stacked layers, as the model and trainer hold them, or already in the
+    sampler layout) cast to the sampler dtype, placed with the sampler shardings (no
+    copy when already there) and in the sampler's layer layout (`_layout`: one copy of
+    the layer weights when it unstacks); random weights from `rng` when params is None."""
     if params is None:
       return self._init_params(jax.random.key(0) if rng is None else rng)
-    return jax.tree.map(lambda x, s: jax.device_put(x.astype(self.kv_dtype), s), params,
-                        self.param_shardings)
+    stacked = self.layers == "unrolled" and not isinstance(params["layers"], (tuple, list))
+    placed = jax.tree.map(lambda x, s: jax.device_put(x.astype(self.kv_dtype), s), params,
+                          self.stacked_shardings if stacked else self.param_shardings)
+    return self._unstack(placed) if stacked else placed
+
+  def sampler_params(self, params: Any) -> Any:
+    """params as the device programs take them: load_params when they still hold
+    stacked layers (unrolled layers only; e.g. model.init_params output), else as is."""
+    if self.layers == "unrolled" and not isinstance(params["layers"], (tuple, list)):
+      return self.load_params(params)
+    return params
 
   def init_decode_state(self) -> DecodeState:
     return self._init_state()
@@ -406,6 +431,7 @@ class Engine:
   def prefill(self, *, params: Any, existing_prefix: Prefix | None = None,
               padded_tokens, true_length: int) -> Prefix:
     """Dense K/V of one padded prompt (batch 1), after `existing_prefix` if given (extend.py)."""
+    params = self.sampler_params(params)
     if existing_prefix is not None:
       return extend.Extender.of(self).prefill(params, existing_prefix, padded_tokens,
                                               true_length)
@@ -436,7 +462,8 @@ class Engine:
       tokens_nt[i, :len(x)] = x
       true_n[i] = length
       pages_nm[i] = pt.page_table_row(pg, self.pages_per_seq)
-    return self._prefill_pages(params, decode_state, tokens_nt, true_n, pages_nm)
+    return self._prefill_pages(self.sampler_params(params), decode_state, tokens_nt, true_n,
+                               pages_nm)
 
   def insert_many(self, decode_state: DecodeState, entries: Sequence[dict]) -> DecodeState:
     """Start several sequences in one call.
@@ -481,7 +508,7 @@ class Engine:
     attention "ragged", `live` = (slots, columns) lists the page-table cells busy slots
     read this call (all cells of the first num_slots rows when None)."""
     program, args = self._generate_call(num_slots, num_pages, live, fused=0)
-    return program(params, decode_state, *args)
+    return program(self.sampler_params(params), decode_state, *args)
 
   def apply_and_generate(self, params: Any, decode_state: DecodeState,
                          pending: updates.Pending, **generate_kw) -> tuple[DecodeState, Any]:
@@ -504,7 +531,7 @@ class Engine:
                                         **generate_kw)
     upd_v = pending.pack(layout)
     pending.clear()
-    return program(params, decode_state, upd_v, *args)
+    return program(self.sampler_params(params), decode_state, upd_v, *args)
 
   def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused, lane=None):
     k = self._slots if num_slots is None else int(num_slots)
