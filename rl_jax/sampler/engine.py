@@ -50,7 +50,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax import model
 from rl_jax import sharding as shd
-from rl_jax.sampler import decode, extend, sampling
+from rl_jax.model import transformer as tfm
+from rl_jax.sampler import decode, extend
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill_lane as prefill_lane_lib
 from rl_jax.sampler import updates
@@ -103,25 +104,26 @@ class Prefix(NamedTuple):
   true_length: jax.Array  # int32 scalar
 
 
-def _prefill_attention(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation):
-  del layer_cache, attn_ctx
-  return (model.causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation),
-          (k_btkd, v_btkd))
-
-
 def _prompt_kv(params, tokens_nt, *, model_cfg, kv_dtype):
   """K/V of n right-padded prompts, each [l, k, n, t, d] (causal: padding after a
-  prompt does not change its positions)."""
+  prompt does not change its positions). Layers unrolled over decode.layer_params, so
+  per-layer weights are read in place; logits are never computed."""
   positions_nt = jnp.broadcast_to(jnp.arange(tokens_nt.shape[1], dtype=jnp.int32),
                                   tokens_nt.shape)
-  # Logits are not returned, so XLA drops the vocabulary projection.
-  _, (k_lntkd, v_lntkd) = model.forward(model_cfg, decode.stack_layers(params), tokens_nt,
-                                        positions_nt,
-                                        attn_fn=functools.partial(
-                                            _prefill_attention,
-                                            implementation=model_cfg.attention))
-  return (k_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype),
-          v_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype))
+  x_nte, cos_ntd, sin_ntd = decode.embed_positions(model_cfg, params, tokens_nt, positions_nt)
+
+  def attend(q_nthd, k_ntkd, v_ntkd):
+    out_nthd = model.causal_attention(q_nthd, k_ntkd, v_ntkd,
+                                      implementation=model_cfg.attention)
+    return out_nthd, (k_ntkd, v_ntkd)
+
+  k_l, v_l = [], []
+  for i in range(model_cfg.num_layers):  # XLA drops the last layer's unused MLP
+    x_nte, (k_ntkd, v_ntkd) = tfm.layer_forward(model_cfg, decode.layer_params(params, i),
+                                                x_nte, cos_ntd, sin_ntd, attend)
+    k_l.append(k_ntkd.transpose(2, 0, 1, 3).astype(kv_dtype))
+    v_l.append(v_ntkd.transpose(2, 0, 1, 3).astype(kv_dtype))
+  return jnp.stack(k_l), jnp.stack(v_l)
 
 
 def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
