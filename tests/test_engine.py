@@ -10,8 +10,10 @@ import pytest
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.sampler.decode import layer_params
 from rl_jax.sampler import engine as E
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import sampling
 
 CFG = model.get_preset("tiny_char")
 PAGE = 4
@@ -116,7 +118,8 @@ def test_sample_tokens_temperature_matches_softmax():
   logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
   n, temp = 6000, 0.7
   tokens, logprobs = E.sample_tokens(
-      logits_bv=jnp.tile(logits, (n, 1)), keys_b=jax.random.split(jax.random.key(0), n),
+      logits_bv=jnp.tile(logits, (n, 1)),
+      keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), n)),
       temperature_b=jnp.full((n,), temp), top_k_b=jnp.zeros((n,), jnp.int32),
       top_p_b=jnp.ones((n,)))
   probs = np.asarray(jax.nn.softmax(logits / temp))
@@ -127,13 +130,18 @@ def test_sample_tokens_temperature_matches_softmax():
                              atol=1e-5)
 
 
-@pytest.mark.parametrize("top_k,top_p,allowed", [(3, 1.0, [0, 1, 3]), (0, 0.75, [0, 3]),
-                                                 (3, 0.5, [3])])
-def test_sample_tokens_truncation(top_k, top_p, allowed):
+@pytest.mark.parametrize("top_k,top_p,cap,allowed", [
+    (3, 1.0, 256, [0, 1, 3]), (0, 0.75, 256, [0, 3]), (3, 0.5, 256, [3]),
+    (3, 1.0, 4, [0, 1, 3]), (0, 0.75, 4, [0, 3]), (0, 0.9999, 4, [0, 1, 3, 4])])
+def test_sample_tokens_truncation(top_k, top_p, cap, allowed, monkeypatch):
+  """Truncated sampling equals the softmax over the kept tokens; a nucleus wider than
+  the top_k cap is cut at the cap's candidates."""
+  monkeypatch.setattr(sampling, "TRUNCATION_CAP", cap)
   logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
   n = 3000
   tokens, logprobs = E.sample_tokens(
-      logits_bv=jnp.tile(logits, (n, 1)), keys_b=jax.random.split(jax.random.key(1), n),
+      logits_bv=jnp.tile(logits, (n, 1)),
+      keys_br=jax.random.key_data(jax.random.split(jax.random.key(1), n)),
       temperature_b=jnp.ones((n,)), top_k_b=jnp.full((n,), top_k, jnp.int32),
       top_p_b=jnp.full((n,), top_p))
   probs = np.zeros(6)
@@ -147,10 +155,65 @@ def test_sample_tokens_truncation(top_k, top_p, allowed):
                              atol=1e-5)
 
 
+def test_threefry_keys_match_jax():
+  """The unrolled Threefry equals JAX's, and request / step keys equal JAX's fold_in."""
+  import jax.extend.random as jr
+  key = jax.random.key_data(jax.random.key(3))
+  x = jnp.arange(10, dtype=jnp.uint32) * 977
+  y0, y1 = sampling.threefry2x32(key[0], key[1], x[:5], x[5:])
+  np.testing.assert_array_equal(np.concatenate([y0, y1]), jr.threefry_2x32(key, x))
+  for seed, index in ((0, 0), (7, 3), (2 ** 31 - 1, 1000)):
+    want = jax.random.fold_in(jax.random.key(seed), index)
+    raw = sampling.request_key(seed, index)
+    np.testing.assert_array_equal(raw, jax.random.key_data(want))
+    np.testing.assert_array_equal(
+        sampling.step_keys(jnp.asarray(raw)[None], jnp.asarray([5]))[0],
+        jax.random.key_data(jax.random.fold_in(want, 5)))
+
+
+def test_step_programs_have_no_loop_sort_or_conditional(params):
+  """One decode step per call compiles to straight-line HLO (a cost analysis counts all
+  of it); the truncating variant only once a request truncates."""
+  eng = make_engine(steps_per_call=1)
+  p_shapes = jax.eval_shape(eng.load_params, params)
+  s_shapes = jax.eval_shape(eng.init_decode_state)
+  for truncate in (False, True):
+    hlo = eng.generate_program(4, eng.pages_per_seq, truncate=truncate).lower(
+        p_shapes, s_shapes).compile().as_text()
+    assert " while(" not in hlo and " conditional(" not in hlo
+    assert (" sort(" in hlo or "topk" in hlo.lower()) == truncate
+  state = eng.init_decode_state()
+  alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
+  state, _ = start(eng, params, state, alloc, 0, PROMPTS[0],
+                   sampling=E.Sampling(temperature=0.5))
+  assert not eng.truncate
+  start(eng, params, state, alloc, 1, PROMPTS[1], sampling=E.Sampling(top_p=0.9))
+  assert eng.truncate
+
+
+@pytest.mark.parametrize("implementation", ["xla", "splash"])
+def test_lane_attention_equals_each_prompt_alone(implementation):
+  """The prefill lane's packed attention (XLA mask, or splash segment ids in interpret
+  mode) equals causal attention over each prompt on its own; padding is segment -1."""
+  from rl_jax.sampler import prefill_lane
+  lengths = (5, 1, 7, 3)  # the last three positions are padding
+  seg = np.concatenate([np.full(n, i if i < 3 else -1) for i, n in enumerate(lengths)])
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, len(seg), h, 8))
+             for i, h in enumerate((6, 2, 2)))
+  out = prefill_lane.lane_attention(q, k, v, jnp.asarray(seg, jnp.int32),
+                                    implementation=implementation)
+  at = 0
+  for n in lengths[:3]:
+    sl = slice(at, at + n)
+    want = model.causal_attention(q[:, sl], k[:, sl], v[:, sl], implementation="jnp")
+    np.testing.assert_allclose(out[:, sl], want, atol=1e-5)
+    at += n
+
+
 def test_sample_tokens_greedy_reports_model_logprob():
   logits = jax.random.normal(jax.random.key(2), (3, 11))
   tokens, logprobs = E.sample_tokens(
-      logits_bv=logits, keys_b=jax.random.split(jax.random.key(0), 3),
+      logits_bv=logits, keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), 3)),
       temperature_b=jnp.zeros((3,)), top_k_b=jnp.full((3,), 2, jnp.int32),
       top_p_b=jnp.full((3,), 0.3))
   np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
@@ -211,7 +274,7 @@ def test_move_slots_then_decode_a_prefix_of_slots(engine, params):
   np.testing.assert_array_equal(np.concatenate([first[3], toks]), ref_t[0])
   assert not np.asarray(state.active_b)[1:].any()
   with pytest.raises(ValueError, match="num_slots"):
-    engine.generate(params, state, num_slots=3)
+    engine.generate(params, state, num_slots=5)
 
 
 def test_length_limit_and_idle_slots(engine, params):
@@ -271,7 +334,9 @@ def test_sharded_meshes_and_multistep_match_single_device(engine, params):
     if kw.get("mesh_shape") == (1, 1, 2):
       spec = eng.state_shardings.k_pages[0].spec
       assert tuple(spec) == ("tensor", None, None, None)
-      assert p["layers"]["k"].sharding.spec[2] == "tensor"
+      k = layer_params(p, 0)["k"]  # [e, k, d] (per-layer weights when unrolled)
+      assert isinstance(p["layers"], tuple) == (eng.layers == "unrolled")
+      assert k.sharding.spec[1] == "tensor"
     if kw.get("mesh_shape") == (2, 1, 1):  # slots split over data, pools replicated
       assert tuple(eng.state_shardings.page_table_bm.spec) == ("data", None)
       assert tuple(eng.state_shardings.k_pages[0].spec) == (None,) * 4
@@ -318,8 +383,8 @@ def test_scanned_and_unrolled_layers_give_identical_results(params):
 def test_page_width_buckets_read_fewer_pages_same_tokens(engine, params):
   """Decoding with the narrowest page-table width that holds every slot equals decoding
   over all columns; one program per (slot, width) bucket pair, however many calls."""
-  assert engine.page_buckets == (1, 2, 4, 8, 9)  # pages_for(16 + 20, 4) = 9
-  assert engine.page_bucket(1) == 1 and engine.page_bucket(9) == 4
+  assert engine.page_buckets == (1, 2, 3, 4, 6, 8, 9)  # pages_for(16 + 20, 4) = 9
+  assert engine.page_bucket(1) == 1 and engine.page_bucket(9) == 3
   assert engine.page_bucket(33) == 9 and engine.page_bucket(36) == 9
   sampling = E.Sampling(temperature=1.0)
   full = _started_state(engine, params, sampling)
@@ -339,9 +404,9 @@ def test_page_width_buckets_read_fewer_pages_same_tokens(engine, params):
   np.testing.assert_allclose(np.concatenate(lps).T, want_lp, atol=1e-4)
   after = {k: f._cache_size() for k, f in engine._generate.items()}
   new = {k: after[k] - before.get(k, 0) for k in after}
-  assert all(n <= 1 for n in new.values()), new  # widths 4 then 8: one program each
+  assert all(n <= 1 for n in new.values()), new  # widths 3 then 4: one program each
   with pytest.raises(ValueError, match="num_pages"):
-    engine.generate(params, narrow, num_pages=3)
+    engine.generate(params, narrow, num_pages=5)
 
 
 def test_pallas_tpu_paged_attention_matches_jnp_in_interpret_mode():

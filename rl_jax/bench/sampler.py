@@ -28,6 +28,7 @@ import numpy as np
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.sampler import decode
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import generator as generator_lib
 from rl_jax.sampler import page_table as pt
@@ -46,13 +47,14 @@ def long_tail_requests(*, num: int, median: int, tail_frac: float, tail_mult: in
 
 
 def _keys(seeds_b, pos_b):
-  return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds_b, pos_b)
+  return jax.vmap(lambda s, p: jax.random.key_data(
+      jax.random.fold_in(jax.random.key(s), p)))(seeds_b, pos_b)
 
 
 def _sample(logits_bv, seeds_b, pos_b):
   b = logits_bv.shape[0]
   return engine_lib.sample_tokens(
-      logits_bv=logits_bv, keys_b=_keys(seeds_b, pos_b), temperature_b=jnp.ones((b,)),
+      logits_bv=logits_bv, keys_br=_keys(seeds_b, pos_b), temperature_b=jnp.ones((b,)),
       top_k_b=jnp.zeros((b,), jnp.int32), top_p_b=jnp.ones((b,)))[0]
 
 
@@ -177,10 +179,11 @@ def run_paged(requests, *, engine, params):
   state = engine.init_decode_state()
   for k in engine.slot_buckets:  # every generate and batched-prefill variant the run may use
     for w in engine.page_buckets:
-      for lane in (False, True):  # with a prompt in the prefill lane (written to the null page)
+      for lane in (0,) + engine.lane_sizes:  # each lane size (prompts go to the null page)
         pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
         if lane:
-          pending.prefill(np.ones((2,), np.int32), [pt.NULL_PAGE])
+          pending.prefill(np.ones((lane + 1,), np.int32),
+                          [pt.NULL_PAGE] * pt.pages_for(lane, engine.page_size))
         state, out = engine.apply_and_generate(params, state, pending, num_slots=k,
                                                num_pages=w)
     for t in engine.prefill_buckets:  # prompts of t tokens, written to the null page
@@ -224,16 +227,17 @@ def run_sampler_benchmark(*, preset: str, requests: int, median: int, tail_frac:
       num_pages=num_pages, max_prefill_length=max_prompt, max_new_tokens=max_new,
       steps_per_call=steps_per_call, layers=layers)
   params = engine.load_params(rng=jax.random.key(seed))
+  stacked = jax.jit(decode.stack_layers)(params)  # the dense baselines' layout
 
   rows = {}
   wall, tokens, done, peak, preempt = run_paged(reqs, engine=engine, params=params)
   rows["paged"] = dict(wall_s=wall, tokens=tokens, done=done, kv_pages=peak)
-  wall, tokens, done = run_static(reqs, params=params, model_cfg=engine.model_cfg, mesh=mesh,
+  wall, tokens, done = run_static(reqs, params=stacked, model_cfg=engine.model_cfg, mesh=mesh,
                                   batch=batch, max_prompt=max_prompt, max_new=max_new)
   rows["static"] = dict(wall_s=wall, tokens=tokens, done=done,
                         kv_pages=pt.pages_for(dense_tokens, page_size))
   sub = reqs[:recompute_requests] if recompute_requests else reqs
-  wall, tokens, done = run_recompute(sub, params=params, model_cfg=engine.model_cfg,
+  wall, tokens, done = run_recompute(sub, params=stacked, model_cfg=engine.model_cfg,
                                      mesh=mesh, batch=batch, max_width=max_prompt + max_new)
   rows["recompute"] = dict(wall_s=wall, tokens=tokens, done=done, kv_pages=0)
 

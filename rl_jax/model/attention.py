@@ -246,8 +246,10 @@ def _splash_kernel(n: int, g: int, interpret: bool):
 
 def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
                             segment_ids_bt: jax.Array | None = None) -> jax.Array:
-  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd. With
-  segment ids (packed rows) the kernel also masks keys of other segments."""
+  """Splash attention, one multi-query kernel call per (row, kv head); out_bthd.
+  With segment_ids_bt (int32) a query sees only keys of its own segment (packed
+  sequences: the trainer's packed rows, the sampler's prefill lane); the block padding
+  forms segment -1."""
   b, t, h, d = q_bthd.shape
   kh = k_btkd.shape[2]
   g = h // kh
@@ -263,8 +265,8 @@ def splash_causal_attention(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Ar
     out_bkgnd = jax.vmap(jax.vmap(kernel))(q_bkgnd, k_bknd, v_bknd)
   else:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    # The padded tail continues the last segment: its keys come after every real query.
-    seg_bn = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, n - t)), mode="edge")
+    seg_bn = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, n - t)),
+                     constant_values=-1)
 
     def row(q_kgnd, k_knd, v_knd, seg_n):
       ids = sk.SegmentIds(q=seg_n, kv=seg_n)

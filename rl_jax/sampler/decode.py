@@ -26,8 +26,8 @@ by segment max / sum), whatever the mix of lengths; "pallas_tpu" hands the page 
 and lengths to JAX's Pallas TPU kernel, which stops at each slot's length itself;
 "pallas_gpu" is rl_jax's Pallas GPU kernel (paged_attention_gpu.py), likewise.
 
-Sampling: the sampled token's log-prob is z[token] - logsumexp(z) with z the logits
-actually sampled from (after temperature and truncation), no full log-softmax.
+Sampling: sampling.py (the sampled token's log-prob is z[token] - logsumexp(z), z the
+logits actually sampled from, after temperature and truncation).
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ from jax import lax
 
 from rl_jax.model import transformer as tfm
 from rl_jax.sampler import paged_attention_gpu
+from rl_jax.sampler import sampling
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 LAYER_MODES = ("unrolled", "scan")
-ATTENTION_IMPLS = ("jnp", "pallas_tpu", "pallas_gpu", "ragged")
 NULL_PAGE = 0  # absorbs the writes of idle slots (page_table.NULL_PAGE)
 
 
@@ -63,7 +63,7 @@ class DecodeState(NamedTuple):
   generated_b: jax.Array  # int32 tokens sampled since insert
   max_new_b: jax.Array  # int32 sampling budget
   stop_on_eos_b: jax.Array  # bool: a stop id ends the sequence
-  keys_br: jax.Array  # uint32 raw PRNG key per request
+  keys_br: jax.Array  # uint32 [b, 2] raw threefry key per request (sampling.request_key)
   temperature_b: jax.Array  # float32, <= 0 greedy
   top_k_b: jax.Array  # int32, 0 off
   top_p_b: jax.Array  # float32, 1 off
@@ -94,8 +94,8 @@ def resolve_attention(impl: str, backend: str | None = None) -> str:
   (else paged_attention_gpu.KernelUnavailableError, one line)."""
   if impl == "auto":
     return "pallas_tpu" if (backend or jax.default_backend()) == "tpu" else "jnp"
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"sampler.attention must be auto, {', '.join(ATTENTION_IMPLS)}; "
+  if impl not in ATTENTION:
+    raise ValueError(f"sampler.attention must be one of auto, {', '.join(ATTENTION)}, "
                      f"got {impl!r}")
   if impl == "pallas_gpu":
     paged_attention_gpu.check_backend(backend)
@@ -170,10 +170,12 @@ def _ragged(q_bhd, k_pages_knpd, v_pages_knpd, live, kv_len_b):
   return ragged_attention_jnp(q_bhd, k_pages_knpd, v_pages_knpd, *live, kv_len_b)
 
 
+# The one dispatch point of decode attention (sampler.attention names its key):
 # attention(q_bhd, k_pages_knpd, v_pages_knpd, pages, kv_len_b) -> out_bhd, where pages is
 # the [b, w] page table, or (live_page_u, live_slot_u, live_col_u) for "ragged".
-_ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu,
-              "pallas_gpu": paged_attention_gpu.paged_attention, "ragged": _ragged}
+ATTENTION = {"jnp": paged_attention_jnp, "pallas_tpu": paged_attention_pallas_tpu,
+             "pallas_gpu": paged_attention_gpu.paged_attention, "ragged": _ragged}
+ATTENTION_IMPLS = tuple(ATTENTION)
 
 
 def pool_dtype(kv_dtype, backend: str | None = None):
@@ -221,6 +223,36 @@ def _layer_attend(k_pages, v_pages, layer, *, attention: Callable, pages, kv_len
   return attend
 
 
+def layer_params(params, i: int) -> dict:
+  """Layer i's weights. params["layers"] is a tuple of per-layer dicts (the sampler's
+  layout with unrolled layers, Engine.load_params: each weight its own buffer) or a dict
+  of stacked [l, ...] arrays, whose slice x[i] XLA materialises: a copy of every layer
+  weight per decode step (2 x 1.43 GB per step for Qwen2.5-0.5B in fp32 on CPU)."""
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return layers[i]
+  return jax.tree.map(lambda x: x[i], layers)
+
+
+def unstack_layers(params) -> dict:
+  """params with params["layers"] as a tuple of per-layer dicts (layer_params)."""
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return params
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], layers)
+                                    for i in range(n))}
+
+
+def stack_layers(params) -> dict:
+  """params with stacked [l, ...] layers (model.forward's layout; a copy when given
+  per-layer weights)."""
+  layers = params["layers"]
+  if not isinstance(layers, (tuple, list)):
+    return params
+  return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
 def run_layers(model_cfg, params, x_bte, cos_btd, sin_btd, k_pages, v_pages, attend_at, *,
                layers: str):
   """(x_bte, k_pages, v_pages) after every layer; attend_at(k_pages, v_pages, layer)
@@ -229,9 +261,9 @@ def run_layers(model_cfg, params, x_bte, cos_btd, sin_btd, k_pages, v_pages, att
   if layers == "unrolled":
     k_list, v_list = list(k_pages), list(v_pages)
     for i in range(model_cfg.num_layers):
-      lp = jax.tree.map(lambda x, i=i: x[i], params["layers"])
       x_bte, (k_list[i], v_list[i]) = tfm.layer_forward(
-          model_cfg, lp, x_bte, cos_btd, sin_btd, attend_at(k_list[i], v_list[i], None))
+          model_cfg, layer_params(params, i), x_bte, cos_btd, sin_btd,
+          attend_at(k_list[i], v_list[i], None))
     return x_bte, tuple(k_list), tuple(v_list)
 
   def body(carry, lp):
@@ -240,7 +272,7 @@ def run_layers(model_cfg, params, x_bte, cos_btd, sin_btd, k_pages, v_pages, att
                                             attend_at(k_all, v_all, layer))
     return (x, k_all, v_all, layer + 1), None
   (x_bte, k_pages, v_pages, _), _ = lax.scan(
-      body, (x_bte, k_pages, v_pages, jnp.int32(0)), params["layers"])
+      body, (x_bte, k_pages, v_pages, jnp.int32(0)), stack_layers(params)["layers"])
   return x_bte, k_pages, v_pages
 
 
@@ -263,55 +295,21 @@ def decode_logits(model_cfg, params, tokens_b, pos_b, k_pages, v_pages, *, pages
   x_b1e, cos_b1d, sin_b1d = embed_positions(model_cfg, params, tokens_b[:, None],
                                             pos_b[:, None])
   attend_at = functools.partial(
-      _layer_attend, attention=_ATTENTION[attention], pages=pages,
+      _layer_attend, attention=ATTENTION[attention], pages=pages,
       kv_len_b=pos_b + 1, write_page_b=write_page_b, write_slot_b=pos_b % p)
   x_b1e, k_pages, v_pages = run_layers(model_cfg, params, x_b1e, cos_b1d, sin_b1d,
                                        k_pages, v_pages, attend_at, layers=layers)
   return tfm.lm_logits(model_cfg, params, x_b1e)[:, 0], k_pages, v_pages
 
 
-def sample_tokens(*, logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array,
-                  top_k_b: jax.Array, top_p_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(tokens_b int32, logprobs_b float32) for one step; see engine.py's docstring.
-
-  top-k keeps the k highest logits; top-p then keeps the smallest prefix of the sorted
-  distribution whose mass reaches p (the top token always survives). The sort only runs
-  when some slot truncates. logprob = z[token] - logsumexp(z), z the sampled-from logits.
-  """
-  logits_bv = logits_bv.astype(jnp.float32)
-  greedy_b = temperature_b <= 0
-  scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
-  truncate = jnp.any(~greedy_b & ((top_k_b > 0) | (top_p_b < 1)))
-  scaled_bv = lax.cond(truncate, _truncate, lambda x, *_: x, scaled_bv, top_k_b, top_p_b)
-  sampled_b = jax.vmap(jax.random.categorical)(keys_b, scaled_bv)
-  tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), sampled_b).astype(jnp.int32)
-  z_bv = jnp.where(greedy_b[:, None], logits_bv, scaled_bv)
-  z_b = jnp.take_along_axis(z_bv, tokens_b[:, None], axis=-1)[:, 0]
-  return tokens_b, z_b - jax.nn.logsumexp(z_bv, axis=-1)
-
-
-def _truncate(scaled_bv, top_k_b, top_p_b):
-  """scaled_bv with everything outside each row's top-k / top-p set at -inf."""
-  b, v = scaled_bv.shape
-  order_bv = jnp.argsort(-scaled_bv, axis=-1)
-  sorted_bv = jnp.take_along_axis(scaled_bv, order_bv, axis=-1)
-  rank_v = jnp.arange(v)
-  keep_bv = (top_k_b[:, None] <= 0) | (rank_v[None] < top_k_b[:, None])
-  probs_bv = jax.nn.softmax(jnp.where(keep_bv, sorted_bv, -jnp.inf), axis=-1)
-  mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
-  # top_p == 1 keeps everything even when float rounding lets the cumulative mass hit 1.
-  keep_bv &= (mass_before_bv < top_p_b[:, None]) | (top_p_b[:, None] >= 1)
-  keep_orig_bv = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order_bv].set(keep_bv)
-  return jnp.where(keep_orig_bv, scaled_bv, -jnp.inf)
-
-
 def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, attention,
-                live=None):
+                truncate=True, live=None):
   """One token for every slot: (new state, (tokens_b, logprobs_b, valid_b, finish_b)).
 
   state.page_table_bm may be a prefix of the columns (width w): a busy slot's position
   must fall in its first w pages. With attention "ragged", live = (live_slot_u,
-  live_col_u) lists every page column a busy slot may read in this call.
+  live_col_u) lists every page column a busy slot may read in this call. truncate:
+  the sampling variant (sampling.sample_tokens); False when no slot truncates.
   """
   pos_b = state.lengths_b
   p = (state.k_pages[0] if layers == "unrolled" else state.k_pages).shape[-2]
@@ -327,11 +325,10 @@ def decode_step(state: DecodeState, *, model_cfg, params, stop_ids, layers, atte
       model_cfg, params, state.tokens_b, pos_b, state.k_pages, state.v_pages,
       pages=pages, write_page_b=page_b, layers=layers, attention=attention)
 
-  step_keys_b = jax.vmap(lambda raw, pos: jax.random.fold_in(jax.random.wrap_key_data(raw),
-                                                             pos))(state.keys_br, pos_b)
-  tokens_b, logprobs_b = sample_tokens(
-      logits_bv=logits_bv, keys_b=step_keys_b, temperature_b=state.temperature_b,
-      top_k_b=state.top_k_b, top_p_b=state.top_p_b)
+  tokens_b, logprobs_b = sampling.sample_tokens(
+      logits_bv=logits_bv, keys_br=sampling.step_keys(state.keys_br, pos_b),
+      temperature_b=state.temperature_b, top_k_b=state.top_k_b, top_p_b=state.top_p_b,
+      truncate=truncate)
 
   valid_b = state.active_b
   generated_b = state.generated_b + valid_b

@@ -19,18 +19,22 @@ its page, attends over the slot's pages, samples the next token and advances. So
 the first decode step, which returns the first completion token (JetStream 0.2.2
 semantics: the first token comes from the first generate).
 
-Sampling (per slot, on device; decode.sample_tokens): temperature <= 0 is greedy,
-otherwise temperature, top-k, top-p, then a categorical draw keyed by
+Sampling (per slot, on device; sampling.py): temperature <= 0 is greedy, otherwise
+temperature, top-k, top-p, then a Gumbel-max draw keyed by
 fold_in(fold_in(key(seed), sample_index), position), so a request's tokens do not depend
 on its slot or batch. The log-prob is the sampled token's under the distribution sampled
 from; greedy slots report the model's temperature-1 log-prob of the argmax token.
+Truncation is a program variant: the top-k pass runs only once this engine has
+inserted a request that truncates (decided on the host, no conditional in the step).
 
 Page ownership is host-side (page_table.py); the engine only follows page tables. Page
 `NULL_PAGE` absorbs the writes of idle slots. A sequence that may sample n tokens after
 c cached prompt tokens needs pages for c + n positions (every decode input is cached).
 
-Programs: generate compiles per (slot bucket, page-width bucket) pair (Engine.__init__),
-and the fused apply_and_generate likewise, with and without its prefill lane.
+Programs: generate compiles per (slot bucket, page-width bucket, truncation) triple
+(Engine.__init__), and the fused apply_and_generate likewise, without a prefill lane
+and with each lane size the passes use (prefill_lane.sizes). Slot and page-width
+buckets are 2^i and 1.5 x 2^i (at most 1/3 padding).
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -42,16 +46,18 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl_jax import model
 from rl_jax import sharding as shd
+from rl_jax.model import transformer as tfm
 from rl_jax.sampler import decode, extend
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill_lane as prefill_lane_lib
 from rl_jax.sampler import updates
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
-                                   DecodeState, StepOutput, sample_tokens)  # (re-exported)
+                                   DecodeState, StepOutput)  # (re-exported)
+from rl_jax.sampler.sampling import sample_tokens  # noqa: F401  (re-exported)
 
 _LAYER_POOL_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
 _PREFIX_AXES = ("layers", "kv_heads", "length", "head_dim")
@@ -68,7 +74,9 @@ def resolve_dtype(name: str, backend: str | None = None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off."""
+  """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off.
+  Truncation keeps at most sampling.TRUNCATION_CAP (256) candidates: a larger top_k acts
+  as the cap, and a nucleus wider than the cap is cut there (sampling.py)."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -96,24 +104,26 @@ class Prefix(NamedTuple):
   true_length: jax.Array  # int32 scalar
 
 
-def _prefill_attention(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx, *, implementation):
-  del layer_cache, attn_ctx
-  return (model.causal_attention(q_bthd, k_btkd, v_btkd, implementation=implementation),
-          (k_btkd, v_btkd))
-
-
 def _prompt_kv(params, tokens_nt, *, model_cfg, kv_dtype):
   """K/V of n right-padded prompts, each [l, k, n, t, d] (causal: padding after a
-  prompt does not change its positions)."""
+  prompt does not change its positions). Layers unrolled over decode.layer_params, so
+  per-layer weights are read in place; logits are never computed."""
   positions_nt = jnp.broadcast_to(jnp.arange(tokens_nt.shape[1], dtype=jnp.int32),
                                   tokens_nt.shape)
-  # Logits are not returned, so XLA drops the vocabulary projection.
-  _, (k_lntkd, v_lntkd) = model.forward(model_cfg, params, tokens_nt, positions_nt,
-                                        attn_fn=functools.partial(
-                                            _prefill_attention,
-                                            implementation=model_cfg.attention))
-  return (k_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype),
-          v_lntkd.transpose(0, 3, 1, 2, 4).astype(kv_dtype))
+  x_nte, cos_ntd, sin_ntd = decode.embed_positions(model_cfg, params, tokens_nt, positions_nt)
+
+  def attend(q_nthd, k_ntkd, v_ntkd):
+    out_nthd = model.causal_attention(q_nthd, k_ntkd, v_ntkd,
+                                      implementation=model_cfg.attention)
+    return out_nthd, (k_ntkd, v_ntkd)
+
+  k_l, v_l = [], []
+  for i in range(model_cfg.num_layers):  # XLA drops the last layer's unused MLP
+    x_nte, (k_ntkd, v_ntkd) = tfm.layer_forward(model_cfg, decode.layer_params(params, i),
+                                                x_nte, cos_ntd, sin_ntd, attend)
+    k_l.append(k_ntkd.transpose(2, 0, 1, 3).astype(kv_dtype))
+    v_l.append(v_ntkd.transpose(2, 0, 1, 3).astype(kv_dtype))
+  return jnp.stack(k_l), jnp.stack(v_l)
 
 
 def _prefill(params, padded_tokens_t, true_length, *, model_cfg, kv_dtype):
@@ -160,9 +170,11 @@ def _prefill_into_pages(params, state, tokens_nt, true_length_n, pages_nm, *, mo
                           page_size=page_size)
 
 
-def _pow2_buckets(largest: int) -> tuple[int, ...]:
-  """Powers of two below `largest`, then `largest`."""
-  return tuple(sorted({b for b in (2 ** i for i in range(31)) if b < largest} | {largest}))
+def _buckets(largest: int) -> tuple[int, ...]:
+  """2^i and 3 x 2^i (1.5 x 2^(i+1)) below `largest`, then `largest`: a bucket pads at
+  most a third of its size."""
+  return tuple(sorted({b for i in range(31) for b in (2 ** i, 3 * 2 ** i) if b < largest} |
+                      {largest}))
 
 
 class Engine:
@@ -176,12 +188,12 @@ class Engine:
   a partial page), set_page_rows (grow page tables), free_slots, move_slots (one
   program for all four: updates.apply), generate(num_slots=k, num_pages=w, live=...)
   (decode only the first k slots when few are busy, reading only the pages they use),
-  apply_and_generate (prompts in a prefill lane of `prefill_lane` tokens, default twice
-  max_prefill_length, then updates staged in an updates.Pending, then generate: the
-  Generator's one dispatch per pass), pad_tokens.
+  apply_and_generate (prompts in a prefill lane of up to `prefill_lane` tokens, default
+  twice max_prefill_length, in one of lane_sizes; then updates staged in an
+  updates.Pending, then generate: the Generator's one dispatch per pass), pad_tokens.
   Every device method is jitted once per input shape (prefill once per length bucket,
-  generate once per (slot bucket, page-width bucket) pair it is called with, and
-  apply_and_generate once per pair with and once without the lane).
+  generate once per (slot bucket, page-width bucket, truncation) it is called with, and
+  apply_and_generate once per such key without the lane and once per lane size used).
   """
 
   def __init__(self, model_cfg: model.ModelConfig, *, mesh: Mesh,
@@ -216,6 +228,7 @@ class Engine:
     # Prompt tokens the fused generate call can prefill (prefill_lane.py).
     self.prefill_lane = int(prefill_lane_lib.default_tokens(self._max_prefill_length)
                             if prefill_lane is None else prefill_lane)
+    self.lane_sizes = prefill_lane_lib.sizes(self.prefill_lane)
     self.max_seq_len = self._max_prefill_length + self.max_new_tokens
     self.pages_per_seq = pt.pages_for(self.max_seq_len, self.page_size)
     self.kv_dtype = jnp.dtype(dtype)
@@ -224,30 +237,37 @@ class Engine:
         {b for b in (2 ** i for i in range(4, 20)) if b < self._max_prefill_length} |
         {self._max_prefill_length}))
     # generate runs over the first k slots and the first w page-table columns only.
-    self.slot_buckets = _pow2_buckets(self._slots)
-    self.page_buckets = _pow2_buckets(self.pages_per_seq)
-    # Live-page counts: powers of two and 1.5x powers of two (at most 1/3 padding).
-    self.live_buckets = tuple(sorted(
-        {b for i in range(31) for b in (2 ** i, 3 * 2 ** i)
-         if b < self._slots * self.pages_per_seq} | {self._slots * self.pages_per_seq}))
+    self.slot_buckets = _buckets(self._slots)
+    self.page_buckets = _buckets(self.pages_per_seq)
+    self.live_buckets = _buckets(self._slots * self.pages_per_seq)  # ragged attention
+    # The truncating sampling variant, once any request has asked for top-k / top-p.
+    self.truncate = False
 
     cfg = self.model_cfg
     param_shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    self.param_shardings = shd.tree_shardings(model.param_logical_axes(cfg), param_shapes,
+    self.stacked_shardings = shd.tree_shardings(model.param_logical_axes(cfg), param_shapes,
                                               mesh, rules)
+    self.param_shardings = self.stacked_shardings
+    if self.layers == "unrolled":  # per-layer weights (_layout): the layer axis dropped
+      layer = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*s.spec[1:])),
+                           self.stacked_shardings["layers"])
+      self.param_shardings = {**self.stacked_shardings,
+                              "layers": (layer,) * cfg.num_layers}
     self.state_shardings = self._state_shardings()
     self.output_shardings = self._output_shardings(self._slots)
     prefix_sh = self._sharding(_PREFIX_AXES, (cfg.num_layers, cfg.num_kv_heads,
                                               self._max_prefill_length, cfg.head_dim))
     self.prefix_shardings = Prefix(prefix_sh, prefix_sh, shd.replicated(mesh),
                                    shd.replicated(mesh))
-    self._generate: dict[tuple[int, int], Any] = {}  # (k, w) -> jitted, built on first use
+    self._generate: dict[tuple, Any] = {}  # (k, w, u, fused, truncate, lane) -> jitted
     self._build_programs()
 
   def _build_programs(self) -> None:
     cfg, st, rep = self.model_cfg, self.state_shardings, shd.replicated(self._mesh)
-    self._init_params = jax.jit(functools.partial(model.init_params, cfg),
+    self._init_params = jax.jit(lambda rng: self._layout(model.init_params(cfg, rng)),
                                 in_shardings=rep, out_shardings=self.param_shardings)
+    self._unstack = jax.jit(decode.unstack_layers, in_shardings=(self.stacked_shardings,),
+                            out_shardings=self.param_shardings)
     self._init_state = jax.jit(self._zero_state, in_shardings=(), out_shardings=st)
     self._init_registers = jax.jit(
         functools.partial(self._zero_state, pools=False), in_shardings=(),
@@ -273,12 +293,18 @@ class Engine:
                           in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
 
   def generate_program(self, num_slots: int, num_pages: int, num_live: int = 0,
-                       fused: int = 0):
+                       fused: int = 0, truncate: bool | None = None,
+                       lane: int | None = None):
     """The jitted generate over slots [0, num_slots) and page columns [0, num_pages);
     with "ragged" attention, over num_live (slot, column) pairs (one of live_buckets).
     fused 1: updates.apply_and_generate (a packed update applied first, outputs packed),
-    2: the same with the prefill lane."""
-    key = (int(num_slots), int(num_pages), int(num_live), int(fused))
+    2: the same with a prefill lane of `lane` tokens (one of lane_sizes; None: the
+    largest). truncate: the sampling variant (None: the engine's current `truncate`)."""
+    truncate = self.truncate if truncate is None else bool(truncate)
+    lane = (self.prefill_lane if lane is None else int(lane)) if fused == 2 else 0
+    if lane and lane not in self.lane_sizes:
+      raise ValueError(f"lane must be one of {self.lane_sizes}, got {lane}")
+    key = (int(num_slots), int(num_pages), int(num_live), int(fused), truncate, lane)
     ragged = self.attention == "ragged"
     if (key[0] not in self.slot_buckets or key[1] not in self.page_buckets or
         (key[2] not in self.live_buckets if ragged else key[2])):
@@ -289,9 +315,9 @@ class Engine:
       rep = shd.replicated(self._mesh)
       kw = dict(num_slots=key[0], num_pages=key[1], steps=self.steps_per_call,
                 model_cfg=self.model_cfg, stop_ids=self.stop_ids, layers=self.layers,
-                attention=self.attention)
+                attention=self.attention, truncate=truncate)
       if fused:
-        layout = self.fused_layout._replace(lane=self.prefill_lane if fused == 2 else 0)
+        layout = self.fused_layout._replace(lane=lane)
         fn = functools.partial(updates.apply_and_generate, layout=layout, **kw)
         args, out = (self.param_shardings, self.state_shardings, rep), rep
       else:
@@ -371,13 +397,29 @@ class Engine:
       shapes = shapes._replace(k_pages=None, v_pages=None)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
+  def _layout(self, params):
+    """params in the sampler's layer layout: per-layer weights with unrolled layers
+    (decode.layer_params: no slice copy per step), stacked with scanned layers."""
+    return decode.unstack_layers(params) if self.layers == "unrolled" else params
+
   def load_params(self, params: Any = None, *, rng: jax.Array | None = None) -> Any:
-    """`params` cast to the sampler dtype and placed with the sampler shardings (no copy
-    when already there); random weights from `rng` when params is None."""
+    """`params` (stacked layers, as the model and trainer hold them, or already in the
+    sampler layout) cast to the sampler dtype, placed with the sampler shardings (no
+    copy when already there) and in the sampler's layer layout (`_layout`: one copy of
+    the layer weights when it unstacks); random weights from `rng` when params is None."""
     if params is None:
       return self._init_params(jax.random.key(0) if rng is None else rng)
-    return jax.tree.map(lambda x, s: jax.device_put(x.astype(self.kv_dtype), s), params,
-                        self.param_shardings)
+    stacked = self.layers == "unrolled" and not isinstance(params["layers"], (tuple, list))
+    placed = jax.tree.map(lambda x, s: jax.device_put(x.astype(self.kv_dtype), s), params,
+                          self.stacked_shardings if stacked else self.param_shardings)
+    return self._unstack(placed) if stacked else placed
+
+  def sampler_params(self, params: Any) -> Any:
+    """params as the device programs take them: load_params when they still hold
+    stacked layers (unrolled layers only; e.g. model.init_params output), else as is."""
+    if self.layers == "unrolled" and not isinstance(params["layers"], (tuple, list)):
+      return self.load_params(params)
+    return params
 
   def init_decode_state(self, *, pools: bool = True) -> DecodeState:
     """A zeroed state; with pools=False its k_pages / v_pages are None (registers only:
@@ -399,6 +441,7 @@ class Engine:
   def prefill(self, *, params: Any, existing_prefix: Prefix | None = None,
               padded_tokens, true_length: int) -> Prefix:
     """Dense K/V of one padded prompt (batch 1), after `existing_prefix` if given (extend.py)."""
+    params = self.sampler_params(params)
     if existing_prefix is not None:
       return extend.Extender.of(self).prefill(params, existing_prefix, padded_tokens,
                                               true_length)
@@ -429,7 +472,8 @@ class Engine:
       tokens_nt[i, :len(x)] = x
       true_n[i] = length
       pages_nm[i] = pt.page_table_row(pg, self.pages_per_seq)
-    return self._prefill_pages(params, decode_state, tokens_nt, true_n, pages_nm)
+    return self._prefill_pages(self.sampler_params(params), decode_state, tokens_nt, true_n,
+                               pages_nm)
 
   def insert_many(self, decode_state: DecodeState, entries: Sequence[dict]) -> DecodeState:
     """Start several sequences in one call.
@@ -447,6 +491,7 @@ class Engine:
 
   def apply_updates(self, decode_state: DecodeState, pending: updates.Pending) -> DecodeState:
     """Apply staged slot / page-table updates now, in one call."""
+    self.truncate |= pending.truncates()
     return self._apply(decode_state, pending.pack(self.update_layout))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, pages,
@@ -473,7 +518,7 @@ class Engine:
     attention "ragged", `live` = (slots, columns) lists the page-table cells busy slots
     read this call (all cells of the first num_slots rows when None)."""
     program, args = self._generate_call(num_slots, num_pages, live, fused=0)
-    return program(params, decode_state, *args)
+    return program(self.sampler_params(params), decode_state, *args)
 
   def apply_and_generate(self, params: Any, decode_state: DecodeState,
                          pending: updates.Pending, **generate_kw) -> tuple[DecodeState, Any]:
@@ -482,7 +527,9 @@ class Engine:
     else the lane and the updates go first by calls of their own. Returns the new state
     and the outputs packed in one array, not waited for: updates.unpack_output(
     np.asarray(x), steps_per_call) gives the StepOutput. Clears `pending`."""
-    layout = self.fused_layout._replace(lane=self.prefill_lane if pending.lane else 0)
+    self.truncate |= pending.truncates()
+    lane = next(n for n in self.lane_sizes if n >= pending.lane_used) if pending.lane else 0
+    layout = self.fused_layout._replace(lane=lane)
     if not pending.fits(layout):  # more inserts or rows than one fused call carries
       lane = pending.take_lane()
       if lane:  # the template pages first, as the fused program would
@@ -490,16 +537,17 @@ class Engine:
       decode_state = self.apply_updates(decode_state, pending)
       pending.clear()
       layout = self.fused_layout
-    program, args = self._generate_call(fused=1 + bool(layout.lane), **generate_kw)
+    program, args = self._generate_call(fused=1 + bool(layout.lane), lane=layout.lane,
+                                        **generate_kw)
     upd_v = pending.pack(layout)
     pending.clear()
-    return program(params, decode_state, upd_v, *args)
+    return program(self.sampler_params(params), decode_state, upd_v, *args)
 
-  def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused):
+  def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused, lane=None):
     k = self._slots if num_slots is None else int(num_slots)
     w = self.pages_per_seq if num_pages is None else int(num_pages)
     if self.attention != "ragged":
-      return self.generate_program(k, w, fused=fused), ()
+      return self.generate_program(k, w, fused=fused, lane=lane), ()
     if live is None:  # every column of every slot
       live = (np.repeat(np.arange(k), w), np.tile(np.arange(w), k))
     w = self.pages_per_seq  # only the KV writes read the table: one width
@@ -508,7 +556,7 @@ class Engine:
     pad = u - slot_u.shape[0]
     slot_u = np.concatenate([slot_u, np.zeros((pad,), np.int32)])
     col_u = np.concatenate([col_u, np.full((pad,), -1, np.int32)])
-    return self.generate_program(k, w, u, fused=fused), ((slot_u, col_u),)
+    return self.generate_program(k, w, u, fused=fused, lane=lane), ((slot_u, col_u),)
 
   def move_slots(self, decode_state: DecodeState, src, dst) -> DecodeState:
     """Move the sequences in slots `src` to the idle slots `dst` (their pages stay)."""

@@ -62,7 +62,8 @@ def dense_extend(params, k_lkTd, v_lkTd, start, tokens_t, num_new, *, model_cfg,
   cache = (jnp.concatenate([k_lkTd, pad], axis=2), jnp.concatenate([v_lkTd, pad], axis=2))
   positions_1t = (start + jnp.arange(t, dtype=jnp.int32))[None]
   # Logits are not returned, so XLA drops the vocabulary projection.
-  _, (k_all, v_all) = model.forward(model_cfg, params, tokens_t[None], positions_1t,
+  _, (k_all, v_all) = model.forward(model_cfg, decode.stack_layers(params), tokens_t[None],
+                                    positions_1t,
                                     attn_fn=_dense_attend, cache=cache, attn_ctx=start)
   return k_all[:, :, :out_len], v_all[:, :, :out_len], tokens_t[num_new - 1]
 
@@ -116,7 +117,7 @@ def paged_extend(params, state, tokens_nt, start_n, count_n, pages_nw, *, model_
   k_pages, v_pages = state.k_pages, state.v_pages
   k_list, v_list = (None, None) if stacked else (list(k_pages), list(v_pages))
   for i in range(model_cfg.num_layers):
-    lp = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+    lp = decode.layer_params(params, i)
     if stacked:
       x_nte, (k_pages, v_pages) = tfm.layer_forward(
           model_cfg, lp, x_nte, cos_ntd, sin_ntd, attend_at(k_pages, v_pages, i))
@@ -165,8 +166,8 @@ class Extender:
       raise ValueError(f"existing prefix of {start} tokens + {m} new tokens exceed "
                        f"sampler.max_prefill_length={eng.max_prefill_length}")
     out_len = next(b for b in eng.prefill_buckets if b >= start + m)
-    k, v, last = self._dense(params, prefix.k_lktd, prefix.v_lktd, np.int32(start),
-                             tokens_t, np.int32(m), out_len=out_len)
+    k, v, last = self._dense(eng.sampler_params(params), prefix.k_lktd, prefix.v_lktd,
+                             np.int32(start), tokens_t, np.int32(m), out_len=out_len)
     return prefix._replace(k_lktd=k, v_lktd=v, last_token=last,
                            true_length=jnp.asarray(start + m, jnp.int32))
 
@@ -175,6 +176,7 @@ class Extender:
     pages) per sequence: tokens (>= 1) go to positions start.., which `pages` (the
     sequence's page list) must cover; positions < start must already be cached."""
     eng = self.engine
+    params = eng.sampler_params(params)
     chunk = eng.max_prefill_length
     todo = [(np.asarray(toks, np.int32).reshape(-1), int(start), pages)
             for toks, start, pages in entries]

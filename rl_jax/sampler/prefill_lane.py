@@ -8,11 +8,12 @@ The lane is a fixed number of token positions (Engine.prefill_lane). The cached 
 of each prompt (all but its last, which is the first decode input) are packed one prompt
 after another, each token with its position in its prompt, its prompt's index in the
 lane (the segment) and the page that holds that position. One forward over the lane
-attends causally within each segment, so packed prompts never see each other, and
-scatters every token's K/V into its page; padding tokens form segment -1 and write to
-the null page. Prompts that do not fit go through Engine.prefill_into_pages instead.
-One lane size means one extra program per (slot bucket, width bucket) pair, whatever
-the prompt lengths.
+attends causally within each segment (lane_attention: the splash kernel's segment ids
+on TPU, a dense segment mask on the XLA path), so packed prompts never see each other,
+and scatters every token's K/V into its page; padding tokens form segment -1 and write
+to the null page. Prompts that do not fit go through Engine.prefill_into_pages instead.
+Two lane sizes (`sizes`) mean at most two extra programs per (slot bucket, width bucket)
+pair, whatever the prompt lengths.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import NamedTuple, Sequence
 import jax
 import numpy as np
 
+from rl_jax.model import attention
 from rl_jax.model import transformer as tfm
 from rl_jax.sampler import decode
 from rl_jax.sampler import page_table as pt
@@ -31,6 +33,14 @@ FIELDS = 4  # token, position, segment, page
 def default_tokens(max_prefill_length: int) -> int:
   """Engine.prefill_lane when not given: room for two of the longest prompts."""
   return 2 * int(max_prefill_length)
+
+
+def sizes(lane: int) -> tuple[int, ...]:
+  """The lane sizes a fused call may take, the smallest that holds a pass's prompts:
+  a quarter lane (most passes start few prompts) and the whole lane. The lane's bytes
+  grow with its size (weights and the KV scatters are fixed, the activations and
+  the L x L attention scale), so a short pass need not pay for the whole lane."""
+  return tuple(sorted({max(1, int(lane) // 4), int(lane)}))
 
 
 class Lane(NamedTuple):
@@ -63,12 +73,26 @@ def empty_rows(lane: int) -> np.ndarray:
   return out
 
 
-def _lane_attend(k_pages, v_pages, layer, *, mask_1LL, page_L, slot_L):
+def lane_attention(q_1Lhd, k_1Lkd, v_1Lkd, seg_L, *, implementation: str):
+  """Causal attention within each segment of the lane; out_1Lhd in v's dtype.
+
+  implementation (model.attention.resolve of the model's `attention`): "splash" runs
+  the Pallas splash kernel with the segments as its segment ids (TPU; interpret mode
+  elsewhere); anything else the XLA path, float32 scores under a dense [L, L] mask of
+  causal & same-segment (transformer.causal_attention).
+  """
+  if implementation == "splash":
+    return attention.splash_causal_attention(q_1Lhd, k_1Lkd, v_1Lkd, seg_L[None])
+  mask_1LL = (seg_L[:, None] == seg_L[None, :])[None]
+  return tfm.causal_attention(q_1Lhd, k_1Lkd, v_1Lkd, mask_1LL)
+
+
+def _lane_attend(k_pages, v_pages, layer, *, seg_L, implementation, page_L, slot_L):
   """attend(q, k, v): causal attention within each segment of the lane, and the lane's
   K/V written to (page_L, slot_L) of this layer's pool (or the stacked pools at
   `layer`)."""
   def attend(q_1Lhd, k_1Lkd, v_1Lkd):
-    out_1Lhd = tfm.causal_attention(q_1Lhd, k_1Lkd, v_1Lkd, mask_1LL)
+    out_1Lhd = lane_attention(q_1Lhd, k_1Lkd, v_1Lkd, seg_L, implementation=implementation)
     k_Lkd, v_Lkd = k_1Lkd[0], v_1Lkd[0]
     if layer is None:
       k_new = decode.pool_set(k_pages, np.s_[:, page_L, slot_L], k_Lkd.transpose(1, 0, 2))
@@ -86,10 +110,11 @@ def write(params, state: decode.DecodeState, lane: Lane, *, model_cfg,
   p = (state.k_pages[0] if layers == "unrolled" else state.k_pages).shape[-2]
   x_1Le, cos_1Ld, sin_1Ld = decode.embed_positions(model_cfg, params, lane.token_L[None],
                                                    lane.pos_L[None])
-  mask_1LL = (lane.seg_L[:, None] == lane.seg_L[None, :])[None]
+  implementation = attention.resolve(model_cfg.attention, model_cfg.dtype)
 
   def attend_at(k_pages, v_pages, layer):
-    return _lane_attend(k_pages, v_pages, layer, mask_1LL=mask_1LL, page_L=lane.page_L,
+    return _lane_attend(k_pages, v_pages, layer, seg_L=lane.seg_L,
+                        implementation=implementation, page_L=lane.page_L,
                         slot_L=lane.pos_L % p)
 
   # Only the K/V are used: XLA drops the last layer's MLP (unrolled layers).

@@ -13,7 +13,8 @@ ends in, so any sequence of insert / set_rows / free / move calls becomes one up
   off_b  slot b stops decoding and its page table points at the null page (a free, or
          the slot a sequence moved away from);
   inserts  (u rows) the registers of a starting sequence (token, length, budget,
-         sampling, PRNG key from (seed, sample_index)) and a copy-on-write page copy;
+         sampling, the PRNG key of (seed, sample_index), computed on the host by
+         sampling.request_key) and a copy-on-write page copy;
   rows   (u rows) the full page-table row of a slot (an insert or a grown sequence).
 On device, in this order: gather every register by src_b, apply off_b, scatter the
 inserts, scatter the rows, copy pages. A free cancels a pending insert of its slot (and
@@ -36,15 +37,19 @@ from jax import lax
 from rl_jax.sampler import decode
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill_lane
+from rl_jax.sampler import sampling
 
 # Columns of one insert row.
-INSERT_COLUMNS = ("slot", "token", "length", "max_new_tokens", "stop_on_eos", "seed",
-                  "sample_index", "temperature", "top_k", "top_p", "copy_src", "copy_dst")
+INSERT_COLUMNS = ("slot", "token", "length", "max_new_tokens", "stop_on_eos", "key0",
+                  "key1", "temperature", "top_k", "top_p", "copy_src", "copy_dst")
 _COL = {name: i for i, name in enumerate(INSERT_COLUMNS)}
 
 
 def _f32_bits(x: float) -> int:
   return int(np.asarray(x, np.float32).view(np.int32))
+
+
+_F32_ONE = _f32_bits(1.0)  # (a positive float's bits compare as the float: > 0 iff > 0.0)
 
 
 class Layout(NamedTuple):
@@ -140,10 +145,11 @@ class Pending:
     copy = entry.get("copy")
     self.src.pop(slot, None)
     self.off.discard(slot)
+    key0, key1 = sampling.request_key(int(np.int64(entry["seed"]) % (2 ** 31)),
+                                      int(entry["sample_index"])).view(np.int32).tolist()
     self.ins[slot] = [
         slot, int(entry["token"]), int(entry["length"]), int(entry["max_new_tokens"]),
-        int(bool(entry["stop_on_eos"])), int(np.int64(entry["seed"]) % (2 ** 31)),
-        int(entry["sample_index"]), _f32_bits(s.temperature), int(s.top_k),
+        int(bool(entry["stop_on_eos"])), key0, key1, _f32_bits(s.temperature), int(s.top_k),
         _f32_bits(s.top_p), int(copy[0]) if copy else pt.NULL_PAGE,
         int(copy[1]) if copy else -1]  # -1: no copy (the pool size, set when packed)
     self.rows[slot] = entry["pages"]
@@ -185,6 +191,12 @@ class Pending:
     else:
       self.off.discard(dst)
     self.off.add(src)
+
+  def truncates(self) -> bool:
+    """Whether a staged insert samples with top-k or top-p (temperature > 0)."""
+    return any(r[_COL["temperature"]] > 0 and (r[_COL["top_k"]] > 0 or
+                                               r[_COL["top_p"]] != _F32_ONE)
+               for r in self.ins.values())
 
   def fits(self, layout: Layout) -> bool:
     return (len(self.ins) <= layout.rows and len(self.rows) <= layout.rows and
@@ -230,8 +242,7 @@ def apply(state: decode.DecodeState, upd_v: jax.Array, *, layout: Layout) -> dec
     return ins_uc[:, _COL[name]]
 
   slot_u = col("slot")
-  keys_ur = jax.vmap(lambda seed, j: jax.random.key_data(
-      jax.random.fold_in(jax.random.key(seed), j)))(col("seed"), col("sample_index"))
+  keys_ur = lax.bitcast_convert_type(jnp.stack([col("key0"), col("key1")], -1), jnp.uint32)
   new = {"tokens_b": col("token"), "lengths_b": col("length"),
          "active_b": jnp.ones_like(slot_u, bool), "generated_b": jnp.zeros_like(slot_u),
          "max_new_b": col("max_new_tokens"), "stop_on_eos_b": col("stop_on_eos") != 0,
