@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rl_jax.model import attention
@@ -76,7 +77,7 @@ def empty_rows(lane: int) -> np.ndarray:
 def lane_attention(q_1Lhd, k_1Lkd, v_1Lkd, seg_L, *, implementation: str):
   """Causal attention within each segment of the lane; out_1Lhd in v's dtype.
 
-  implementation (model.attention.resolve of the model's `attention`): "splash" runs
+  implementation (model.attention.select of the model's `attention`): "splash" runs
   the Pallas splash kernel with the segments as its segment ids (TPU; interpret mode
   elsewhere); anything else the XLA path, float32 scores under a dense [L, L] mask of
   causal & same-segment (transformer.causal_attention).
@@ -110,7 +111,10 @@ def write(params, state: decode.DecodeState, lane: Lane, *, model_cfg,
   p = (state.k_pages[0] if layers == "unrolled" else state.k_pages).shape[-2]
   x_1Le, cos_1Ld, sin_1Ld = decode.embed_positions(model_cfg, params, lane.token_L[None],
                                                    lane.pos_L[None])
-  implementation = attention.resolve(model_cfg.attention, model_cfg.dtype)
+  implementation = attention.select(
+      model_cfg.attention, jnp.dtype(model_cfg.dtype), jax.default_backend(),
+      (lane.token_L.shape[0], model_cfg.num_heads, model_cfg.num_kv_heads,
+       model_cfg.head_dim)).name
 
   def attend_at(k_pages, v_pages, layer):
     return _lane_attend(k_pages, v_pages, layer, seg_L=lane.seg_L,
