@@ -101,11 +101,7 @@ def _abstract_step_args(trainer, *, batch: int, seq: int):
   """ShapeDtypeStructs of Trainer._step's arguments (state, batch, ref params, version)."""
   state = jax.eval_shape(trainer._make_init(trainer.optimizer, from_rng=True),
                          jax.random.key(0))
-  bt = lambda dt: jax.ShapeDtypeStruct((batch, seq), dt)
-  data = dict(tokens_bt=bt(jnp.int32), mask_bt=bt(jnp.bool_),
-              behavior_logprobs_bt=bt(jnp.float32),
-              advantages_b=jax.ShapeDtypeStruct((batch,), jnp.float32),
-              versions_bt=bt(jnp.int32))
+  data = trainer.batch_spec(batch, seq)
   ref = trainer.ref_params
   if trainer.cfg.kl_beta > 0:
     ref = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, trainer.compute_dtype),
