@@ -148,10 +148,12 @@ class Generator(turns_lib.TurnsMixin):
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
     self._inflight: _Call | None = None  # the generate call on the device (see _launch)
+    self._ending: set[_Seq] = set()  # sequences that end in that call (see _release_ending)
     self.tokens_generated = 0
     self.rollouts_finished = 0
     self.preemptions = 0
     self.generate_calls = 0
+    self.slot_steps = 0  # decode steps dispatched: slots a call covers x its steps
     self.busy_s = 0.0
     self._init_turns()
 
@@ -162,7 +164,12 @@ class Generator(turns_lib.TurnsMixin):
 
   @property
   def num_active(self) -> int:
-    """Sequences occupying a decode slot."""
+    """Sequences occupying a decode slot or ending in the call on the device."""
+    return self._num_decoding + len(self._ending)
+
+  @property
+  def _num_decoding(self) -> int:
+    """Sequences occupying a decode slot (the next generate call decodes them)."""
     return len(self._slots) - self._slots.count(None)
 
   @property
@@ -301,7 +308,7 @@ class Generator(turns_lib.TurnsMixin):
     with self._lock:
       if self._pending_params is None:
         return
-      if not self.inflight_weight_updates and self.num_active:
+      if not self.inflight_weight_updates and self._num_decoding:
         return
       self._params, self._version = self._pending_params
       self._pending_params = None
@@ -312,13 +319,14 @@ class Generator(turns_lib.TurnsMixin):
 
   def _step(self) -> list[Rollout]:
     t0 = time.perf_counter()
+    self._release_ending()
     self._maybe_swap_params()
     if not self._draining():
       self._fill_slots()
-    if self.num_active:
+    if self._num_decoding:
       self._grow_pages()
     launched = None
-    if self.num_active:
+    if self._num_decoding:
       launched = self._launch()
     else:
       # Every group prefilled in this pass was preempted (its pages are free again):
@@ -341,7 +349,28 @@ class Generator(turns_lib.TurnsMixin):
         self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
         live=self._live_pages())
     self.generate_calls += 1
+    self.slot_steps += num_slots * self.engine.steps_per_call
     return _Call(out, self._version, busy, {s for _, s, _ in busy})
+
+  def _release_ending(self) -> None:
+    """Free now the slot and pages of every sequence whose budget runs out within the
+    call in flight, rather than when that call's tokens are read: otherwise the next
+    call would decode its slot for nothing (steps_per_call idle steps per sequence) and
+    keep its pages from this pass's new sequences. Later device programs run after that
+    call, so its last KV writes land before the pages are reused. Its tokens are still
+    taken in when the call is collected. (A sequence that stops early on a stop id is
+    only learnt of then, one call late.)"""
+    if self._inflight is None:
+      return
+    steps = self.engine.steps_per_call
+    for _, seq, run in self._inflight.busy:
+      if (seq.turn is None and seq.run == run and self._slots[seq.slot] is seq and
+          seq.length + steps >= seq.cache_limit):
+        self._slots[seq.slot] = None
+        self._pending.free(seq.slot)
+        self.allocator.release(seq.pages)
+        seq.group.running -= 1
+        self._ending.add(seq)
 
   def _collect(self) -> list[Rollout]:
     """Wait for the call in flight (if any) and take in its tokens."""
@@ -354,13 +383,13 @@ class Generator(turns_lib.TurnsMixin):
   def _fill_slots(self) -> None:
     """Start resuming sequences, then waiting samples, in free slots, oldest group first."""
     self._try_fill()
-    if not self.num_active and (self._resuming or any(g.waiting for g in self._groups)):
+    if not self._num_decoding and (self._resuming or any(g.waiting for g in self._groups)):
       # Nothing runs, so nothing will give pages back: drop the prompt caches of waiting
       # groups (they are prefilled again) so the oldest group gets the whole pool.
       for g in self._groups:
         self._release_prefix(g)
       self._try_fill()
-      if self._resuming and not self.num_active:
+      if self._resuming and not self._num_decoding:
         self._unblock_resumes()
 
   def _try_fill(self) -> None:
@@ -373,7 +402,6 @@ class Generator(turns_lib.TurnsMixin):
     inserts, exhausted, prefills, extends = [], [], [], []
     if self._resuming:  # older work than any new sample
       reserve = self._start_resumes(free, reserve, inserts, extends)
-    lane_left = self._pending.lane_tokens - self._pending.lane_used
     groups, i = list(self._groups), 0
     while free and i < len(groups):
       g = groups[i]
@@ -386,19 +414,14 @@ class Generator(turns_lib.TurnsMixin):
       if g.prefix_pages is None:
         # While others run, a new prompt also leaves 1/16 of the pool free for their
         # growth, which keeps preemptions (recomputed work) rare near a full pool.
-        watermark = alloc.capacity // 16 if self.num_active else 0
-        # A prompt that misses the prefill lane of this pass's generate call, which
-        # already holds others, waits for the next pass (one dispatch per pass); only
-        # a prompt longer than the whole lane is prefilled by a call of its own.
-        if (lane_left < cached <= self._pending.lane_tokens or
-            alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark):
+        watermark = alloc.capacity // 16 if self._num_decoding else 0
+        if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
           # First come, first served for new prompts: from here on only groups that
           # hold their prompt pages may start samples (no per-group scan of the rest).
           groups = [h for h in groups[i:] if h.prefix_pages is not None]
           i = 0
           continue
         self._prefill(g, prefills)
-        lane_left -= cached if cached <= lane_left else 0
       while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
@@ -419,7 +442,10 @@ class Generator(turns_lib.TurnsMixin):
       if not g.waiting:
         exhausted.append(g)
     # Prompts go to the prefill lane of this pass's generate call while they fit; the
-    # rest are prefilled now. Both happen before the inserts copy their template pages.
+    # rest are prefilled now, by one batched call, rather than wait for a later pass's
+    # lane: a slot left idle for a call wastes steps_per_call decode steps, which costs
+    # more than the extra dispatch. Both happen before the inserts copy their template
+    # pages.
     prefills = [g for g in prefills if not self._pending.prefill(g.prompt, g.prefix_pages)]
     if prefills:
       self._state = eng.prefill_into_pages(self._params, self._state,
@@ -530,7 +556,8 @@ class Generator(turns_lib.TurnsMixin):
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
-    busy = [(b, seq) for b, seq, run in busy if seq.run == run and self._slots[seq.slot] is seq]
+    busy = [(b, seq) for b, seq, run in busy
+            if seq.run == run and (seq in self._ending or self._slots[seq.slot] is seq)]
     if not valid_sb[0, [b for b, _ in busy]].all():
       # Host and device disagree about which slots decode: fail now, not spin forever.
       raise RuntimeError(f"decode slots {[b for b, _ in busy]} are busy on the host but the "
@@ -558,16 +585,23 @@ class Generator(turns_lib.TurnsMixin):
         parked.append(slot)
       elif reason is not None:
         finished.append(self._end(seq, reason, now))
+      elif seq in self._ending:
+        raise RuntimeError(f"slot {b} decoded {n} of {steps} steps and did not finish, but "
+                           "its sequence's budget ends in this call")
     for b in parked:  # their slots still decode past the turn's end on the device
       self._pending.free(b)
     return finished
 
   def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
-    """Free a sequence's slot and pages (its slot is already idle on device)."""
-    self._slots[seq.slot] = None
-    self.allocator.release(seq.pages)
+    """Free a sequence's slot and pages (its slot is already idle on device), unless
+    _release_ending did."""
     g = seq.group
-    g.running -= 1
+    if seq in self._ending:
+      self._ending.discard(seq)
+    else:
+      self._slots[seq.slot] = None
+      self.allocator.release(seq.pages)
+      g.running -= 1
     g.done += 1
     if g.done == g.num_samples:
       self._retire(g)
