@@ -12,6 +12,9 @@ counts requested tokens only. Each variant compiles in an untimed warm-up; the t
 runs of all variants are interleaved `repeats` times and the median is reported, so a
 loaded machine distorts every variant alike.
 
+CPU time (time.process_time, all threads of this process) is reported beside wall
+time: on a shared machine it is less distorted by other processes than wall time.
+
 Deterministic counts per rl_jax variant (Generator counters of one run): generate
 calls, decode slot-steps dispatched (slots covered x steps per call), tokens kept, and
 their difference, the idle slot-steps.
@@ -76,11 +79,11 @@ class RlJaxRunner:
     for i, (p, n) in enumerate(reqs):
       gen.add_group(i, p, 1, seed=i, max_new_tokens=n, stop_on_eos=False)
     compiled = self._compiled()
-    t0, tokens = time.perf_counter(), 0
+    t0, c0, tokens = time.perf_counter(), time.process_time(), 0
     while gen.num_active or gen.num_pending:
       tokens += sum(r.num_tokens for r in gen.step())
-    wall = time.perf_counter() - t0
-    return dict(wall_s=wall, tokens=tokens, generate_calls=gen.generate_calls,
+    return dict(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0,
+                tokens=tokens, generate_calls=gen.generate_calls,
                 slot_steps=gen.slot_steps, idle_slot_steps=gen.slot_steps - tokens,
                 compiles=self._compiled() - compiled)
 
@@ -115,7 +118,7 @@ class TunixRunner:
     self.run(reqs)
 
   def run(self, reqs) -> dict:
-    t0, tokens = time.perf_counter(), 0
+    t0, c0, tokens = time.perf_counter(), time.process_time(), 0
     for start in range(0, len(reqs), self.slots):
       chunk = reqs[start:start + self.slots]
       steps = max(n for _, n in chunk)
@@ -124,7 +127,7 @@ class TunixRunner:
                    temperature=1.0, top_p=1.0, return_logprobs=True, seed=start,
                    eos_tokens=[PEER_MODEL.vocab_size])  # an id never sampled
       tokens += sum(n for _, n in chunk)
-    return dict(wall_s=time.perf_counter() - t0, tokens=tokens)
+    return dict(wall_s=time.perf_counter() - t0, cpu_s=time.process_time() - c0, tokens=tokens)
 
 
 class _IdTokenizer:
@@ -157,7 +160,8 @@ def tunix_available() -> bool:
 def run_peer_benchmark(*, slots: tuple[int, ...], steps_per_call: tuple[int, ...],
                        mixes: tuple[str, ...], requests: int, prompt_len: int, max_new: int,
                        page_size: int, repeats: int, seed: int = 0, peer: bool = True) -> list:
-  """Rows {mix, name, slots, steps_per_call, tokens_per_s (median), runs, counts...}."""
+  """Rows {mix, name, slots, steps_per_call, tokens_per_s and tokens_per_cpu_s (medians
+  over the repeats), runs (tokens/s of each), counts...}."""
   rows = []
   for mix in mixes:
     reqs = peer_requests(mix, num=requests, max_new=max_new, prompt_len=prompt_len,
@@ -180,7 +184,9 @@ def run_peer_benchmark(*, slots: tuple[int, ...], steps_per_call: tuple[int, ...
       runs = results[id(r)]
       tps = [x["tokens"] / x["wall_s"] for x in runs]
       row = dict(mix=mix, name=r.name, slots=k, steps_per_call=s,
-                 tokens_per_s=statistics.median(tps), runs=[round(x) for x in tps])
+                 tokens_per_s=statistics.median(tps),
+                 tokens_per_cpu_s=statistics.median(x["tokens"] / x["cpu_s"] for x in runs),
+                 runs=[round(x) for x in tps])
       row.update({c: runs[-1][c] for c in ("generate_calls", "slot_steps", "idle_slot_steps",
                                            "compiles") if c in runs[-1]})
       rows.append(row)
