@@ -17,7 +17,8 @@ time: on a shared machine it is less distorted by other processes than wall time
 
 Deterministic counts per rl_jax variant (Generator counters of one run): generate
 calls, decode slot-steps dispatched (slots covered x steps per call), tokens kept, and
-their difference, the idle slot-steps.
+their difference, the idle slot-steps; programs compiled by the first (cold) pass and
+by the timed ones (0 once warm).
 """
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ class RlJaxRunner:
     self.name = f"rl_jax slots={slots} spc={steps_per_call}"
 
   def warm(self, reqs) -> None:
-    """Compiles every program the timed runs use (two full untimed passes)."""
-    for _ in range(2):
-      self.run(reqs)
+    """Compiles every program the timed runs use (two full untimed passes); keeps the
+    first pass's compile count as cold_compiles."""
+    self.cold_compiles = self.run(reqs)["compiles"]
+    self.run(reqs)
 
   def run(self, reqs) -> dict:
     gen = generator_lib.Generator(self.engine, self.params)
@@ -189,6 +191,8 @@ def run_peer_benchmark(*, slots: tuple[int, ...], steps_per_call: tuple[int, ...
                  runs=[round(x) for x in tps])
       row.update({c: runs[-1][c] for c in ("generate_calls", "slot_steps", "idle_slot_steps",
                                            "compiles") if c in runs[-1]})
+      if hasattr(r, "cold_compiles"):
+        row["cold_compiles"] = r.cold_compiles
       rows.append(row)
   return rows
 

@@ -16,12 +16,16 @@ One `step()` is one scheduling iteration:
 
 One dispatch per step: the slot and page-table updates of steps 2-4 are staged in an
 updates.Pending and applied inside the generate program, and the prompts admitted in
-the step ride in its prefill lane (prefill_lane.py) while they fit; a prompt that does
-not fit waits for the next step, unless it is longer than the whole lane (then it is
-prefilled by a call of its own). The device runs a step's call while the host prepares
-the next step, so the host learns that a sequence finished one call late: its slot and
-pages come back one call later, and a call may cover a slot whose sequence already
-ended (the device knows and leaves it idle).
+the step ride in its prefill lane (prefill_lane.py) while they fit; the prompts that do
+not fit are prefilled by one batched call of their own in the same step (waiting for a
+later step's lane would leave their slots idle for whole calls). The device runs a
+step's call while the host prepares the next step, so the host learns that a sequence
+stopped (on a stop id) one call late: its slot and pages come back one call later, and
+a call may cover a slot whose sequence already ended (the device knows and leaves it
+idle). A sequence whose token budget runs out within the call in flight is known to
+end: its slot and pages come back before the next call (_release_ending), and
+`slot_steps` counts the slot-steps every call covered, so slot_steps - tokens_generated
+is the decode work spent on idle slots.
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
