@@ -16,16 +16,13 @@ One `step()` is one scheduling iteration:
 
 One dispatch per step: the slot and page-table updates of steps 2-4 are staged in an
 updates.Pending and applied inside the generate program, and the prompts admitted in
-the step ride in its prefill lane (prefill_lane.py) while they fit; the prompts that do
-not fit are prefilled by one batched call of their own in the same step (waiting for a
-later step's lane would leave their slots idle for whole calls). The device runs a
-step's call while the host prepares the next step, so the host learns that a sequence
-stopped (on a stop id) one call late: its slot and pages come back one call later, and
-a call may cover a slot whose sequence already ended (the device knows and leaves it
-idle). A sequence whose token budget runs out within the call in flight is known to
-end: its slot and pages come back before the next call (_release_ending), and
-`slot_steps` counts the slot-steps every call covered, so slot_steps - tokens_generated
-is the decode work spent on idle slots.
+the step ride in its prefill lane (prefill_lane.py) while they fit, the rest in one
+batched prefill call of the same step (not left idle for a call). The device runs a
+step's call while the host prepares the next step, so the host learns of a stop token
+one call late and a call may cover a slot whose sequence already ended (the device
+leaves it idle); a budget that runs out in the call in flight frees its slot and pages
+before the next call (_release_ending). slot_steps - tokens_generated counts the
+slot-steps spent on idle slots.
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
@@ -357,13 +354,10 @@ class Generator(turns_lib.TurnsMixin):
     return _Call(out, self._version, busy, {s for _, s, _ in busy})
 
   def _release_ending(self) -> None:
-    """Free now the slot and pages of every sequence whose budget runs out within the
-    call in flight, rather than when that call's tokens are read: otherwise the next
-    call would decode its slot for nothing (steps_per_call idle steps per sequence) and
-    keep its pages from this pass's new sequences. Later device programs run after that
-    call, so its last KV writes land before the pages are reused. Its tokens are still
-    taken in when the call is collected. (A sequence that stops early on a stop id is
-    only learnt of then, one call late.)"""
+    """Free the slot and pages of each sequence whose budget runs out in the call in
+    flight now, not when its tokens are read (the next call would decode its slot for
+    nothing). Later programs run after that call, so its KV writes land before the pages
+    are reused; its tokens are taken in when the call is collected."""
     if self._inflight is None:
       return
     steps = self.engine.steps_per_call
@@ -445,11 +439,9 @@ class Generator(turns_lib.TurnsMixin):
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
       if not g.waiting:
         exhausted.append(g)
-    # Prompts go to the prefill lane of this pass's generate call while they fit; the
-    # rest are prefilled now, by one batched call, rather than wait for a later pass's
-    # lane: a slot left idle for a call wastes steps_per_call decode steps, which costs
-    # more than the extra dispatch. Both happen before the inserts copy their template
-    # pages.
+    # Prompts go to the prefill lane of this pass's generate call while they fit, the
+    # rest to one batched call now (an extra dispatch costs less than idle slots for a
+    # whole call). Both happen before the inserts copy their template pages.
     prefills = [g for g in prefills if not self._pending.prefill(g.prompt, g.prefix_pages)]
     if prefills:
       self._state = eng.prefill_into_pages(self._params, self._state,
