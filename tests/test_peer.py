@@ -26,8 +26,10 @@ def test_table_ratios_to_tunix_and_to_the_first_steps_per_call():
   counts = dict(generate_calls=4, slot_steps=64, idle_slot_steps=3)
   rows = [row(16, 0, 1000.0), row(16, 1, 500.0, **counts), row(16, 8, 1500.0, **counts),
           row(64, 1, 800.0, **counts)]
+  rows[2]["tokens_per_cpu_s"] = 1000.0  # 2x spc 1 and tunix by CPU time, 3x by wall time
   lines = peer.table(rows).splitlines()
   assert lines[1].split()[2:] == ["1,000", "500"]  # tunix: no ratios, no counts
-  assert lines[2].split()[2:] == ["500", "250", "0.50", "1.00", "4", "64", "3"]
-  assert lines[3].split()[2:] == ["1,500", "750", "1.50", "3.00", "4", "64", "3"]
-  assert lines[4].split()[2:] == ["800", "400", "1.00", "4", "64", "3"]  # no tunix row
+  assert lines[2].split()[2:] == ["500", "250", "0.50", "1.00", "0.50", "1.00", "4", "64", "3"]
+  assert lines[3].split()[2:] == ["1,500", "1,000", "1.50", "3.00", "2.00", "4.00", "4", "64",
+                                  "3"]
+  assert lines[4].split()[2:] == ["800", "400", "1.00", "1.00", "4", "64", "3"]  # no tunix row

@@ -199,18 +199,22 @@ def run_peer_benchmark(*, slots: tuple[int, ...], steps_per_call: tuple[int, ...
 
 def table(rows: list) -> str:
   """A table of run_peer_benchmark's rows with each rl_jax row's ratios to tunix (same
-  mix and slot count) and to the first steps-per-call of its slot count."""
+  mix and slot count) and to the first steps-per-call of its slot count, by wall time
+  and (cpu columns) by CPU time."""
   head = (f"{'mix':<10}{'variant':<24}{'tok/s':>9}{'tok/cpu-s':>11}{'/tunix':>8}"
-          f"{'/first spc':>11}{'calls':>7}{'slot-steps':>11}{'idle':>7}")
+          f"{'/first spc':>11}{'cpu/tunix':>10}{'cpu/first':>10}{'calls':>7}"
+          f"{'slot-steps':>11}{'idle':>7}")
   lines = [head]
   for r in rows:
     same = [x for x in rows if x["mix"] == r["mix"] and x["slots"] == r["slots"]]
     peer = [x for x in same if not x["steps_per_call"]]
     first = next((x for x in same if x["steps_per_call"]), None)
-    ratio = lambda other: (f"{r['tokens_per_s'] / other['tokens_per_s']:.2f}"
-                           if other is not None and r["steps_per_call"] else "")
+    ratio = lambda other, k="tokens_per_s": (f"{r[k] / other[k]:.2f}" if other is not None
+                                             and r["steps_per_call"] else "")
     lines.append(f"{r['mix']:<10}{r['name']:<24}{r['tokens_per_s']:>9,.0f}"
                  f"{r['tokens_per_cpu_s']:>11,.0f}{ratio(peer[0] if peer else None):>8}"
-                 f"{ratio(first):>11}{r.get('generate_calls', ''):>7}"
+                 f"{ratio(first):>11}"
+                 f"{ratio(peer[0] if peer else None, 'tokens_per_cpu_s'):>10}"
+                 f"{ratio(first, 'tokens_per_cpu_s'):>10}{r.get('generate_calls', ''):>7}"
                  f"{r.get('slot_steps', ''):>11}{r.get('idle_slot_steps', ''):>7}")
   return "\n".join(lines)
