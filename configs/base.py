@@ -48,7 +48,9 @@ def get_config(arg=None):
   c.sampler.dtype = "auto"  # sampler weight / KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU
   c.sampler.layers = "auto"  # decode layer loop: unrolled | scan; auto: unrolled
   c.sampler.attention = "auto"  # decode attention: jnp | ragged | pallas_tpu | pallas_gpu; auto: pallas_tpu on TPU, else jnp
-  c.sampler.steps_per_call = 1  # decode steps per host round trip
+  # Decode steps per host round trip: an integer >= 1, or "auto" (8 on GPU/TPU, 4 on CPU;
+  # rl_jax.sampler.engine.resolve_steps_per_call). Typed object so configs may set an int.
+  c.sampler.steps_per_call = ml_collections.FieldReference("auto", field_type=object)
 
   c.trainer = ml_collections.ConfigDict()
   c.trainer.learning_rate = 1e-4

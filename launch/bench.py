@@ -2,6 +2,7 @@
 
   python launch/bench.py train [--preset tiny_char] [--seq 256] [--batch 16] [--steps 10]
   python launch/bench.py sampler [--preset tiny_char] [--requests 1024] [--median 12]
+  python launch/bench.py sampler --peer [--slots 64,16] [--steps-per-call 1,4,8]
   python launch/bench.py suite [--preset qwen2_0_5b] [--small] [--skip e2e,...]
                                [--aot | --aot-only] [--cost | --cost-only]
                                [--cost-presets qwen2_0_5b,llama3_1b] [--out results.json]
@@ -48,13 +49,22 @@ def train(args):
 
 
 def sampler(args):
-  """Rollout tokens/s and latency: recompute vs static dense batches vs paged continuous."""
+  """Rollout tokens/s and latency: recompute vs static dense batches vs paged continuous;
+  with --peer, the peer workload: rl_jax per slot count and steps per call vs tunix."""
+  from rl_jax.sampler.engine import resolve_steps_per_call
+
+  args.steps_per_call = tuple(resolve_steps_per_call(s) for s in args.steps_per_call)
+  args.requests = args.requests or (64 if args.peer else 1024)
+  if args.peer:
+    return _peer(args)
+  if len(args.slots) > 1 or len(args.steps_per_call) > 1:
+    sys.exit("error: --slots and --steps-per-call take one value each without --peer")
   from rl_jax.bench import sampler as benchmark
 
   row = benchmark.run_sampler_benchmark(
       preset=args.preset, requests=args.requests, median=args.median,
-      tail_frac=args.tail_frac, tail_mult=args.tail_mult, batch=args.batch, slots=args.slots,
-      page_size=args.page_size, steps_per_call=args.steps_per_call,
+      tail_frac=args.tail_frac, tail_mult=args.tail_mult, batch=args.batch,
+      slots=args.slots[0], page_size=args.page_size, steps_per_call=args.steps_per_call[0],
       recompute_requests=args.recompute_requests, seed=args.seed, layers=args.layers)
   print(json.dumps(row))
   print(_table(row, ("device", "preset", "requests", "median_len", "max_len", "tail_frac",
@@ -70,6 +80,22 @@ def sampler(args):
         f"paged/recompute tokens/s = {row['ratio_paged_over_recompute']:.2f}")
 
 
+def _peer(args):
+  from rl_jax.bench import peer
+
+  tunix = peer.tunix_available()
+  if not tunix:
+    print("tunix: not installed here, rl_jax rows only (the peer runs from a separate "
+          "environment with google-tunix==0.1.7; see notes/PERFORMANCE.md)")
+  rows = peer.run_peer_benchmark(
+      slots=args.slots, steps_per_call=args.steps_per_call, mixes=tuple(args.mixes.split(",")),
+      requests=args.requests, prompt_len=args.prompt_len, max_new=args.max_new,
+      page_size=args.page_size, repeats=args.repeats, seed=args.seed, peer=tunix)
+  for row in rows:
+    print(json.dumps(row))
+  print(peer.table(rows))
+
+
 def suite(args):
   """Decode, prefill, train, weight sync, plain-JAX anchor, e2e, AOT memory and XLA cost on
   one device."""
@@ -79,6 +105,11 @@ def suite(args):
     sys.exit(f"error: cannot import {e.name}: {e}; see notes/PERFORMANCE.md for the wheels "
              "the benchmark machine needs")
   sys.exit(suite_lib.main(args))
+
+
+def _list(text: str) -> tuple:
+  """"1,4,auto" -> (1, 4, "auto")."""
+  return tuple(x if x == "auto" else int(x) for x in text.split(","))
 
 
 def _main(argv):
@@ -102,18 +133,29 @@ def _main(argv):
   p.set_defaults(fn=train)
   p = sub.add_parser("sampler", help=sampler.__doc__)
   p.add_argument("--preset", default="tiny_char")
-  p.add_argument("--requests", type=int, default=1024, help="rollouts, all queued at once")
+  p.add_argument("--requests", type=int, default=0,
+                 help="rollouts, all queued at once (0: 1024, with --peer 64)")
   p.add_argument("--median", type=int, default=12, help="median completion length")
   p.add_argument("--tail-frac", type=float, default=0.05, help="share of long completions")
   p.add_argument("--tail-mult", type=int, default=16, help="long length / median")
   p.add_argument("--batch", type=int, default=16, help="static batch size (sets the KV bytes)")
-  p.add_argument("--slots", type=int, default=64, help="paged decode slots")
+  p.add_argument("--slots", type=_list, default=(64,),
+                 help="paged decode slots (a comma list with --peer)")
   p.add_argument("--page-size", type=int, default=16)
-  p.add_argument("--steps-per-call", type=int, default=1)
+  p.add_argument("--steps-per-call", type=_list, default=(1,),
+                 help="decode steps per generate call, or auto (a comma list with --peer)")
   p.add_argument("--recompute-requests", type=int, default=64,
                  help="run the quadratic recompute baseline on the first N requests (0: all)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--layers", default="auto", help="paged decode layer loop: auto | unrolled | scan")
+  p.add_argument("--peer", action="store_true",
+                 help="the peer workload (rl_jax/bench/peer.py) side by side with tunix if "
+                      "installed; uses --requests (default 64 here), --prompt-len, --max-new, "
+                      "--mixes, --repeats")
+  p.add_argument("--prompt-len", type=int, default=16)
+  p.add_argument("--max-new", type=int, default=128)
+  p.add_argument("--mixes", default="uniform,long_tail", help="uniform and/or long_tail")
+  p.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per variant")
   p.set_defaults(fn=sampler)
   p = sub.add_parser("suite", help=suite.__doc__)
   options.add_suite_args(p)

@@ -108,6 +108,8 @@ def check_fields(cfg, base, prefix: str = "") -> None:
       if not isinstance(v, ml_collections.ConfigDict):
         raise ConfigError(f"config field {name!r} must be a group of fields, got {v!r}")
       check_fields(v, b, name + ".")
+    elif name in INT_OR_AUTO:
+      _check_int_or_auto(name, v)
     elif not _compatible(v, b):
       raise ConfigError(
           f"config field {name!r} must be {_type_name(b)}, got {_type_name(v)} {v!r}")
@@ -165,7 +167,14 @@ def apply_override(cfg, dotted: str, text: str) -> None:
   default = node[parts[-1]]
   if isinstance(default, ml_collections.ConfigDict):
     raise ConfigError(f"--config.{dotted} is a group of fields; set one of its fields")
-  value = _parse_value(text, default, dotted)
+  if dotted in INT_OR_AUTO:
+    try:
+      value = ast.literal_eval(text.strip()) if text.strip() != "auto" else "auto"
+    except (ValueError, SyntaxError):
+      value = text
+    _check_int_or_auto(dotted, value)
+  else:
+    value = _parse_value(text, default, dotted)
   with node.ignore_type():
     node[parts[-1]] = value
 
@@ -241,7 +250,6 @@ DOMAINS = {
     "sampler.num_pages": ">= 0", "sampler.kv_cache_bytes": ">= 1",
     "sampler.max_prefill_length": ">= 1", "sampler.max_new_tokens": ">= 1",
     "sampler.temperature": ">= 0", "sampler.top_k": ">= 0", "sampler.top_p": "(0, 1]",
-    "sampler.steps_per_call": ">= 1",
     "trainer.learning_rate": "> 0", "trainer.warmup_steps": ">= 0",
     "trainer.weight_decay": ">= 0", "trainer.b1": "[0, 1)", "trainer.b2": "[0, 1)",
     "trainer.grad_clip": ">= 0", "trainer.micro_batch_size": ">= 0",
@@ -285,6 +293,8 @@ _DOMAIN_NOTES = {
 # indexes into, and the sampling seeds. task.heldout_size only changes the evaluation
 # set, model.remat only what the backward pass recomputes and model.attention only which
 # kernel computes the same function.
+# Fields that take "auto" or an integer >= 1 (their base value is "auto").
+INT_OR_AUTO = ("sampler.steps_per_call",)
 RESUME_MUST_MATCH = ("seed", "model.", "task.", "data.")
 RESUME_MAY_DIFFER = ("task.heldout_size", "model.remat", "model.attention")
 
@@ -313,8 +323,16 @@ def _get(cfg, dotted: str):
   return cfg
 
 
+def _check_int_or_auto(name: str, value) -> None:
+  ok = value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+  _require(ok, f"config field {name!r} must be 'auto' or an integer >= 1; got {value!r}")
+
+
 def check_domains(cfg) -> None:
-  """ConfigError naming the first numeric field outside its DOMAINS entry."""
+  """ConfigError naming the first numeric field outside its DOMAINS entry (or an
+  INT_OR_AUTO field that is neither "auto" nor an integer >= 1)."""
+  for name in INT_OR_AUTO:
+    _check_int_or_auto(name, _get(cfg, name))
   for name, spec in DOMAINS.items():
     value = _get(cfg, name)
     if not in_domain(value, spec):

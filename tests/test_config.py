@@ -263,3 +263,33 @@ def test_model_dtype_auto_resolves_by_backend():
   assert resolve_dtype("float32", "gpu") == "float32"
   model_cfg, _ = model_lib.from_run_config(cfg.model)
   assert (model_cfg.dtype, model_cfg.param_dtype) == ("float32", "float32")
+
+
+def test_steps_per_call_is_auto_or_a_positive_integer(tmp_path):
+  from rl_jax.sampler import engine
+  cfg, _ = load()
+  assert cfg.sampler.steps_per_call == "auto"
+  config_lib.validate(cfg, num_devices=8)
+  assert engine.resolve_steps_per_call("auto", "gpu") == engine.ACCELERATOR_STEPS_PER_CALL
+  assert engine.resolve_steps_per_call("auto", "cpu") == engine.CPU_STEPS_PER_CALL
+  cfg, _ = load("--config.sampler.steps_per_call=3")
+  assert cfg.sampler.steps_per_call == 3 and engine.resolve_steps_per_call(3, "gpu") == 3
+  config_lib.validate(cfg, num_devices=8)
+  for text in ("0", "fast", "2.5", "True"):
+    with pytest.raises(ConfigError, match=r"^config field 'sampler.steps_per_call' must be "
+                                          r"'auto' or an integer >= 1; got .+$"):
+      load(f"--config.sampler.steps_per_call={text}")
+  # A config file may set an integer, or a bad value that validate names.
+  path = tmp_path / "spc.py"
+  path.write_text("from configs import default\n"
+                  "def get_config(arg=None):\n"
+                  "  c = default.get_config()\n"
+                  "  c.sampler.steps_per_call = int(arg or 8)\n"
+                  "  return c\n")
+  cfg, _ = load(spec=str(path))
+  assert cfg.sampler.steps_per_call == 8
+  cfg, _ = load("--config.sampler.steps_per_call=auto", spec=str(path))
+  assert cfg.sampler.steps_per_call == "auto"
+  cfg.sampler.steps_per_call = -2
+  with pytest.raises(ConfigError, match="'sampler.steps_per_call' must be 'auto' or an integer"):
+    config_lib.validate(cfg, num_devices=8)

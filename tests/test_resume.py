@@ -26,7 +26,10 @@ TASK = ["--config.task.digits=1", "--config.task.heldout_size=16",
         # The usable pool (num_pages - 1) is one group's worst case, 1 prompt page + 4
         # samples x 2 pages: groups wait for pages before they start.
         "--config.sampler.num_pages=10", "--config.mesh.sampler.data=1",
-        "--config.mesh.trainer.data=1"]
+        "--config.mesh.trainer.data=1",
+        # Rewards depend on the order rollouts reach the verifiers (below); one step per
+        # call keeps the order in which this run's injected failures give a reward spread.
+        "--config.sampler.steps_per_call=1"]
 TINY = ["--config", "configs/default.py", *TASK, "--config.rl.total_steps=5",
         "--config.rl.groups_per_step=4", "--config.rl.group_size=4", "--config.rl.eval_every=2",
         "--config.warmstart.steps=40", "--config.metrics.tensorboard=false",

@@ -205,7 +205,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
   trainer_dp = max(layout.trainer_devices // t_t, 1)
   if turns is None and profile is not None:
     turns = profile.turns
-  from rl_jax.sampler import prefill_lane  # the generator's lane paces new prompts
+  from rl_jax.sampler.engine import resolve_steps_per_call
   return Scenario(
       mode=rl.mode, groups_per_step=int(rl.groups_per_step), group_size=int(rl.group_size),
       max_staleness=int(staleness), max_inflight_groups=int(inflight),
@@ -217,9 +217,9 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       verifier=verifier.scaled(verifier_scale) if verifier_scale != 1.0 else verifier,
       sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
-      colocated=layout.colocated, steps_per_call=int(s.steps_per_call), seed=int(cfg.seed),
+      colocated=layout.colocated, steps_per_call=resolve_steps_per_call(s.steps_per_call),
+      seed=int(cfg.seed),
       turns=turns, max_live_sequences=replicas * live if turns is not None else 0,
-      prefill_lane_tokens=prefill_lane.default_tokens(s.max_prefill_length),
       sampler_share=profile.sampler_share if profile is not None else 1.0,
       trainer_share=profile.trainer_share if profile is not None else 1.0)
 

@@ -366,7 +366,8 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
   base, win = window(pilot.rows)
   if "sampler/generate_calls" not in win[-1]:
     return None
-  spc = int(pilot.cfg.sampler.steps_per_call)
+  from rl_jax.sampler.engine import resolve_steps_per_call  # "auto": this machine's backend
+  spc = resolve_steps_per_call(pilot.cfg.sampler.steps_per_call)
   mean_len = float(np.mean(lengths.sample(np.random.default_rng(0), 4096)))
   prev, a, y, w = base, [], [], []
   for row in win:

@@ -72,6 +72,22 @@ def resolve_dtype(name: str, backend: str | None = None) -> str:
   return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
 
 
+# sampler.steps_per_call "auto": 8 on accelerators, where one call per token would pay a
+# host round trip per decode step; CPU_STEPS_PER_CALL on CPU, where the host and the
+# "device" share the cores (measured with launch/bench.py sampler --peer, notes/PERFORMANCE.md).
+ACCELERATOR_STEPS_PER_CALL = 8
+CPU_STEPS_PER_CALL = 4
+
+
+def resolve_steps_per_call(value: int | str, backend: str | None = None) -> int:
+  """Decode steps per generate call: "auto" is ACCELERATOR_STEPS_PER_CALL on GPU and
+  TPU and CPU_STEPS_PER_CALL on CPU; an integer is returned as is."""
+  if value != "auto":
+    return int(value)
+  cpu = (backend or jax.default_backend()) == "cpu"
+  return CPU_STEPS_PER_CALL if cpu else ACCELERATOR_STEPS_PER_CALL
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off.
@@ -348,7 +364,8 @@ class Engine:
                page_size=int(sampler_cfg.page_size), num_pages=num_pages,
                max_prefill_length=int(sampler_cfg.max_prefill_length),
                max_new_tokens=int(sampler_cfg.max_new_tokens), dtype=dtype,
-               steps_per_call=int(sampler_cfg.steps_per_call), tokenizer=tokenizer,
+               steps_per_call=resolve_steps_per_call(sampler_cfg.steps_per_call),
+               tokenizer=tokenizer,
                layers=sampler_cfg.get("layers", "auto"),
                attention=sampler_cfg.get("attention", "auto"))
 

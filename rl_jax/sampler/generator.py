@@ -16,12 +16,13 @@ One `step()` is one scheduling iteration:
 
 One dispatch per step: the slot and page-table updates of steps 2-4 are staged in an
 updates.Pending and applied inside the generate program, and the prompts admitted in
-the step ride in its prefill lane (prefill_lane.py) while they fit; a prompt that does
-not fit waits for the next step, unless it is longer than the whole lane (then it is
-prefilled by a call of its own). The device runs a step's call while the host prepares
-the next step, so the host learns that a sequence finished one call late: its slot and
-pages come back one call later, and a call may cover a slot whose sequence already
-ended (the device knows and leaves it idle).
+the step ride in its prefill lane (prefill_lane.py) while they fit, the rest in one
+batched prefill call of the same step (not left idle for a call). The device runs a
+step's call while the host prepares the next step, so the host learns of a stop token
+one call late and a call may cover a slot whose sequence already ended (the device
+leaves it idle); a budget that runs out in the call in flight frees its slot and pages
+before the next call (_release_ending). slot_steps - tokens_generated counts the
+slot-steps spent on idle slots.
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
@@ -156,10 +157,12 @@ class Generator(turns_lib.TurnsMixin):
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
     self._inflight: _Call | None = None  # the generate call on the device (see _launch)
+    self._ending: set[_Seq] = set()  # sequences that end in that call (see _release_ending)
     self.tokens_generated = 0
     self.rollouts_finished = 0
     self.preemptions = 0
     self.generate_calls = 0
+    self.slot_steps = 0  # decode steps dispatched: slots a call covers x its steps
     self.busy_s = 0.0
     self._init_turns()
 
@@ -170,7 +173,12 @@ class Generator(turns_lib.TurnsMixin):
 
   @property
   def num_active(self) -> int:
-    """Sequences occupying a decode slot."""
+    """Sequences occupying a decode slot or ending in the call on the device."""
+    return self._num_decoding + len(self._ending)
+
+  @property
+  def _num_decoding(self) -> int:
+    """Sequences occupying a decode slot (the next generate call decodes them)."""
     return len(self._slots) - self._slots.count(None)
 
   @property
@@ -327,7 +335,7 @@ class Generator(turns_lib.TurnsMixin):
     with self._lock:
       if self._pending_params is None:
         return
-      if not self.inflight_weight_updates and self.num_active:
+      if not self.inflight_weight_updates and self._num_decoding:
         return
       self._params, self._version = self._pending_params
       self._pending_params = None
@@ -338,13 +346,14 @@ class Generator(turns_lib.TurnsMixin):
 
   def _step(self) -> list[Rollout]:
     t0 = time.perf_counter()
+    self._release_ending()
     self._maybe_swap_params()
     if not self._draining():
       self._fill_slots()
-    if self.num_active:
+    if self._num_decoding:
       self._grow_pages()
     launched = None
-    if self.num_active:
+    if self._num_decoding:
       launched = self._launch()
     else:
       # Every group prefilled in this pass was preempted (its pages are free again):
@@ -367,7 +376,25 @@ class Generator(turns_lib.TurnsMixin):
         self._params, self._state, self._pending, num_slots=num_slots, num_pages=width,
         live=self._live_pages())
     self.generate_calls += 1
+    self.slot_steps += num_slots * self.engine.steps_per_call
     return _Call(out, self._version, busy, {s for _, s, _ in busy})
+
+  def _release_ending(self) -> None:
+    """Free the slot and pages of each sequence whose budget runs out in the call in
+    flight now, not when its tokens are read (the next call would decode its slot for
+    nothing). Later programs run after that call, so its KV writes land before the pages
+    are reused; its tokens are taken in when the call is collected."""
+    if self._inflight is None:
+      return
+    steps = self.engine.steps_per_call
+    for _, seq, run in self._inflight.busy:
+      if (seq.turn is None and seq.run == run and self._slots[seq.slot] is seq and
+          seq.length + steps >= seq.cache_limit):
+        self._slots[seq.slot] = None
+        self._pending.free(seq.slot)
+        self.allocator.release(seq.pages)
+        seq.group.running -= 1
+        self._ending.add(seq)
 
   def _collect(self) -> list[Rollout]:
     """Wait for the call in flight (if any) and take in its tokens."""
@@ -380,13 +407,13 @@ class Generator(turns_lib.TurnsMixin):
   def _fill_slots(self) -> None:
     """Start resuming sequences, then waiting samples, in free slots, oldest group first."""
     self._try_fill()
-    if not self.num_active and (self._resuming or any(g.waiting for g in self._groups)):
+    if not self._num_decoding and (self._resuming or any(g.waiting for g in self._groups)):
       # Nothing runs, so nothing will give pages back: drop the prompt caches of waiting
       # groups (they are prefilled again) so the oldest group gets the whole pool.
       for g in self._groups:
         self._release_prefix(g)
       self._try_fill()
-      if self._resuming and not self.num_active:
+      if self._resuming and not self._num_decoding:
         self._unblock_resumes()
 
   def _try_fill(self) -> None:
@@ -399,7 +426,6 @@ class Generator(turns_lib.TurnsMixin):
     inserts, exhausted, prefills, extends = [], [], [], []
     if self._resuming:  # older work than any new sample
       reserve = self._start_resumes(free, reserve, inserts, extends)
-    lane_left = self._pending.lane_tokens - self._pending.lane_used
     groups, i = list(self._groups), 0
     while free and i < len(groups):
       g = groups[i]
@@ -412,19 +438,14 @@ class Generator(turns_lib.TurnsMixin):
       if g.prefix_pages is None:
         # While others run, a new prompt also leaves 1/16 of the pool free for their
         # growth, which keeps preemptions (recomputed work) rare near a full pool.
-        watermark = alloc.capacity // 16 if self.num_active else 0
-        # A prompt that misses the prefill lane of this pass's generate call, which
-        # already holds others, waits for the next pass (one dispatch per pass); only
-        # a prompt longer than the whole lane is prefilled by a call of its own.
-        if (lane_left < cached <= self._pending.lane_tokens or
-            alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark):
+        watermark = alloc.capacity // 16 if self._num_decoding else 0
+        if alloc.num_free < g.num_full + g.partial + first_call + reserve + watermark:
           # First come, first served for new prompts: from here on only groups that
           # hold their prompt pages may start samples (no per-group scan of the rest).
           groups = [h for h in groups[i:] if h.prefix_pages is not None]
           i = 0
           continue
         self._prefill(g, prefills)
-        lane_left -= cached if cached <= lane_left else 0
       while g.waiting and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
@@ -444,8 +465,9 @@ class Generator(turns_lib.TurnsMixin):
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
       if not g.waiting:
         exhausted.append(g)
-    # Prompts go to the prefill lane of this pass's generate call while they fit; the
-    # rest are prefilled now. Both happen before the inserts copy their template pages.
+    # Prompts go to the prefill lane of this pass's generate call while they fit, the
+    # rest to one batched call now (an extra dispatch costs less than idle slots for a
+    # whole call). Both happen before the inserts copy their template pages.
     prefills = [g for g in prefills if not self._pending.prefill(g.prompt, g.prefix_pages)]
     if prefills:
       self._state = eng.prefill_into_pages(self._params, self._state,
@@ -556,7 +578,8 @@ class Generator(turns_lib.TurnsMixin):
     now = self._clock()
     finished = []
     valid_sb = np.asarray(out.valid_sb)
-    busy = [(b, seq) for b, seq, run in busy if seq.run == run and self._slots[seq.slot] is seq]
+    busy = [(b, seq) for b, seq, run in busy
+            if seq.run == run and (seq in self._ending or self._slots[seq.slot] is seq)]
     if not valid_sb[0, [b for b, _ in busy]].all():
       # Host and device disagree about which slots decode: fail now, not spin forever.
       raise RuntimeError(f"decode slots {[b for b, _ in busy]} are busy on the host but the "
@@ -584,16 +607,23 @@ class Generator(turns_lib.TurnsMixin):
         parked.append(slot)
       elif reason is not None:
         finished.append(self._end(seq, reason, now))
+      elif seq in self._ending:
+        raise RuntimeError(f"slot {b} decoded {n} of {steps} steps and did not finish, but "
+                           "its sequence's budget ends in this call")
     for b in parked:  # their slots still decode past the turn's end on the device
       self._pending.free(b)
     return finished
 
   def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
-    """Free a sequence's slot and pages (its slot is already idle on device)."""
-    self._slots[seq.slot] = None
-    self.allocator.release(seq.pages)
+    """Free a sequence's slot and pages (its slot is already idle on device), unless
+    _release_ending did."""
     g = seq.group
-    g.running -= 1
+    if seq in self._ending:
+      self._ending.discard(seq)
+    else:
+      self._slots[seq.slot] = None
+      self.allocator.release(seq.pages)
+      g.running -= 1
     g.done += 1
     if g.done == g.num_samples:
       self._retire(g)

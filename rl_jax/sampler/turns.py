@@ -231,7 +231,7 @@ class TurnsMixin:
   def _unblock_resumes(self) -> None:
     """Nothing runs and resumes still wait for pages that only parked sequences (or
     prompt caches) hold: preempt the youngest such group until one starts."""
-    while self._resuming and not self.num_active:
+    while self._resuming and not self._num_decoding:
       holders = [g for g in self._groups if g.parked or g.prefix_pages is not None]
       if not holders:
         raise RuntimeError("resuming sequences do not fit an empty pool")
