@@ -211,7 +211,9 @@ def _tool_figure(plt, runs):
 _KEYS = ("wall_time_s", "optimizer_steps", "heldout_reward_initial", "heldout_reward_final",
          "rollouts_generated", "rollouts_trained", "rollouts_discarded_stale",
          "sampler_tokens_per_s", "trainer_tokens_per_s", "weight_sync_s_mean",
-         "sampler_busy_frac", "trainer_busy_frac", "max_queue_depth")
+         "sampler_busy_frac", "trainer_busy_frac", "max_queue_depth",
+         "groups_filtered_zero_variance", "filtered_share", "sampled_per_trained",
+         "groups_uniform_capped", "rollouts_overlong_masked", "rollouts_overlong_penalized")
 # Tool use (runs of a task with an environment).
 _ENV_KEYS = ("heldout_tool_call_rate_initial", "heldout_tool_call_rate_final",
              "turns_per_rollout_mean", "tool_calls_per_rollout_mean", "tool_call_rate",

@@ -25,6 +25,18 @@ def _rl(**kw):
   return base
 
 
+def test_zero_variance_filter_and_its_budget():
+  off = StalenessPolicy.make(**_rl())
+  assert not off.uniform([1.0, 1.0]) and not off.filters([0.0, 0.0], 0)
+  p = StalenessPolicy.make(**_rl(filter_groups="zero_variance", max_oversample=3))
+  assert p.filter_budget == 8  # (3 - 1) x 4 groups per step
+  assert p.uniform([0.5, 0.5, 0.5]) and not p.uniform([0.5, 0.5, 0.25])
+  assert p.filters([1.0, 1.0], 7) and not p.filters([1.0, 1.0], 8)
+  assert not p.filters([1.0, 0.0], 0)
+  assert not StalenessPolicy.make(**_rl(filter_groups="zero_variance",
+                                        max_oversample=1)).filters([1.0, 1.0], 0)
+
+
 def test_rules():
   p = StalenessPolicy.make(**_rl())
   assert p.max_inflight == 8 and p.bound == 1

@@ -64,6 +64,25 @@ def group_advantages(*, rewards_ng: np.ndarray, std_normalize: bool,
   return adv_ng, int(zero_var_n.sum())
 
 
+def overlong_penalty(*, lengths_b: np.ndarray, max_len: int, buffer: int) -> np.ndarray:
+  """DAPO's soft overlong punishment, added to the reward (rl.overlong="penalty").
+
+  For completion length L, limit L_max (sampler.max_new_tokens) and buffer B
+  (rl.overlong_buffer, 1 <= B <= L_max):
+
+    penalty(L) = 0                       L <= L_max - B
+                 ((L_max - B) - L) / B   L_max - B < L <= L_max   (from 0 down to -1)
+                 -1                      L > L_max
+
+  lengths_b int [b] -> float32 [b]. Host-side numpy, like `group_advantages`.
+  """
+  lengths = np.asarray(lengths_b, np.float64)
+  start = float(max_len - buffer)
+  ramp = (start - lengths) / float(buffer)
+  out = np.where(lengths <= start, 0.0, np.where(lengths <= max_len, ramp, -1.0))
+  return out.astype(np.float32)
+
+
 def loss_weights(*, mask_bt: jax.Array, loss_agg: str, max_len: int,
                  num_tokens: jax.Array | None = None,
                  num_seqs: jax.Array | None = None) -> jax.Array:

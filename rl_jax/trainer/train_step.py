@@ -124,10 +124,13 @@ def _pack(prompts, completions, behavior, versions, *, pad_id, length_buckets,
 
 def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Sequence[int],
                      std_normalize: bool, batch_multiple: int = 1,
-                     eps: float = 1e-6) -> TrainBatch:
+                     eps: float = 1e-6, mask_truncated: bool = False) -> TrainBatch:
   """A GRPO batch: rows in group order, advantages from `grpo.group_advantages` per group.
 
   Groups may have different sizes (advantages are computed within each group).
+  mask_truncated (rl.overlong="mask"): rollouts cut at the length limit (finish_reason
+  "length") keep their row but get an all-False loss mask, so they are out of the loss,
+  KL and entropy while their rewards still count in their group's advantages.
   """
   rollouts = [r for g in groups for r in g.rollouts]
   for r in rollouts:
@@ -147,7 +150,8 @@ def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Se
       [r.prompt_tokens for r in rollouts], [r.completion_tokens for r in rollouts],
       [r.behavior_logprobs for r in rollouts], [r.token_versions for r in rollouts],
       pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple,
-      masks=[r.model_mask for r in rollouts])
+      masks=[np.zeros(r.num_tokens, bool) if mask_truncated and r.finish_reason == "length"
+             else r.model_mask for r in rollouts])
   b = tokens_bt.shape[0]
   advantages_b = np.zeros((b,), np.float32)
   advantages_b[:len(rollouts)] = advantages
@@ -541,11 +545,12 @@ class Trainer:
     self._traces["logprobs"] += 1
     return self._chunked_logprobs(params, tokens_bt)
 
-  def make_train_batch(self, groups: Sequence[Group]) -> TrainBatch:
+  def make_train_batch(self, groups: Sequence[Group], *, mask_truncated: bool = False
+                       ) -> TrainBatch:
     return make_train_batch(groups, pad_id=self.model_cfg.pad_id,
                             length_buckets=self.cfg.length_buckets,
                             std_normalize=bool(self.cfg.std_normalize),
-                            batch_multiple=self.batch_multiple)
+                            batch_multiple=self.batch_multiple, mask_truncated=mask_truncated)
 
   def make_sft_batch(self, prompts_tokens, completions_tokens,
                      completion_masks=None) -> TrainBatch:
