@@ -312,7 +312,7 @@ class RunAccounting:
            "admitted": self.counts["groups_admitted"],
            "trained": sum(self.staleness_hist.values())}
     d = {k: v - self._marks[f"filter_{k}"] for k, v in now.items()}
-    self._marks.update({f"filter_{k}": v for k, v in now.items()})
+    self._marks.update({f"filter_{k}": v for k, v in d.items()})  # (adds the deltas)
     return {
         "data/groups_filtered_zero_variance": now["filtered"],
         "data/filtered_share": d["filtered"] / d["completed"] if d["completed"] else 0.0,
