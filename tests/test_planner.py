@@ -566,3 +566,25 @@ def test_prefill_lane_paces_new_prompts(lane, finish_s):
   pred = planner.simulate(sc)
   assert pred.wall_s == pytest.approx(finish_s + 0.6, abs=1e-9)
   assert pred.sampler_busy_frac * pred.wall_s == pytest.approx(finish_s, abs=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_simulated_filtering_samples_more_groups_per_trained_group(mode):
+  """Scenario.uniform_rate u with rl.filter_groups=zero_variance: the run's policy
+  filters uniform groups, so about 1 / (1 - u) groups are sampled per group trained (the
+  budget, 3 x the batch, rarely binds at u = 0.5) and every step still trains a full
+  batch; at u = 0.9 with max_oversample=2 the budget caps sampling at 2 x the batch.
+  Filtering off ignores the rate (same prediction as u = 0)."""
+  base = dict(mode=mode, num_steps=30, max_inflight_groups=8 if mode == "sync" else 24)
+  plain = planner.simulate(_scenario(**base))
+  off = planner.simulate(_scenario(**base, uniform_rate=0.5))
+  assert off.wall_s == plain.wall_s and off.groups_filtered == 0
+  on = planner.simulate(_scenario(**base, uniform_rate=0.5, filter_groups="zero_variance"))
+  assert on.optimizer_steps == 30 and on.rollouts_trained == plain.rollouts_trained
+  assert on.groups_filtered > 0 and on.wall_s > plain.wall_s
+  assert on.sampled_per_trained == pytest.approx(2.0, rel=0.2)
+  assert on.rows[-1]["data/groups_filtered_zero_variance"] == on.groups_filtered
+  capped = planner.simulate(_scenario(**base, uniform_rate=0.9, filter_groups="zero_variance",
+                                      max_oversample=2))
+  assert capped.sampled_per_trained <= 2.0 + 24 / (30 * 8)  # + what is in flight at the end
+  assert capped.groups_filtered <= 30 * 8

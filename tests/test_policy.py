@@ -75,7 +75,8 @@ def test_from_config_matches_the_planner_scenario():
   from rl_jax.planner import capacity
   from rl_jax.planner.models import DEVICES
   for extra in ([], ["--config.rl.mode=sync"], ["--config.rl.max_inflight_groups=24"],
-                ["--config.rl.weight_sync_every=2", "--config.rl.max_staleness=3"]):
+                ["--config.rl.weight_sync_every=2", "--config.rl.max_staleness=3"],
+                ["--config.rl.filter_groups=zero_variance", "--config.rl.max_oversample=3"]):
     cfg, _ = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"), *extra])
     model_cfg, params = capacity.model_shape(cfg)
     sc = capacity.scenario(cfg, layout=capacity.pilot_layout(cfg), profile=None,

@@ -447,6 +447,7 @@ class RunAccounting:
         "groups_filtered_zero_variance": c["groups_filtered_zero_variance"],
         "rollouts_filtered_zero_variance": c["rollouts_filtered_zero_variance"],
         "groups_uniform_capped": c["groups_uniform_capped"],
+        "groups_completed": c["groups_completed"],
         "filtered_share": (c["groups_filtered_zero_variance"] / c["groups_completed"]
                            if c["groups_completed"] else 0.0),
         "sampled_per_trained": (c["groups_admitted"] / sum(self.staleness_hist.values())
