@@ -207,7 +207,9 @@ class SamplerWorker:
           # verifier callback ran: sync runs stay reproducible bit for bit.
           self.sync_admitted -= self._sync_dropped
           self._sync_dropped = 0
-    while gen.has_capacity() and self.queue.can_admit():
+    # Sync mode admits nothing past the last step's window (async keeps its lead).
+    last = self.policy.sync and self.steps_done >= self.cfg.rl.total_steps
+    while not last and gen.has_capacity() and self.queue.can_admit():
       if not self.policy.barrier_allows(
           admitted=self.sync_admitted, steps_done=self.steps_done,
           sampler_version=gen.version, trainer_version=self.trainer_version):
