@@ -267,9 +267,9 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
     rewards.setdefault(r.group_id, set()).add(r.reward)
   trained_uniform = sum(len(rewards[gid]) == 1 for _, gid, _ in pipe.acc.trained_log)
   assert summary["groups_uniform_capped"] == trained_uniform
-  assert summary["groups_admitted"] == (summary["groups_trained"] + summary["groups_discarded_stale"]
-                                        + summary["groups_filtered_zero_variance"]
-                                        + summary["groups_in_flight_at_end"])
+  assert summary["groups_admitted"] == (
+      summary["groups_trained"] + summary["groups_discarded_stale"] +
+      summary["groups_filtered_zero_variance"] + summary["groups_in_flight_at_end"])
   tok = CharTokenizer()
   observations = 0
   for r in rollouts:

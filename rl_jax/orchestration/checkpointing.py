@@ -6,10 +6,11 @@ settled (trained, discarded as stale, or lost). Sync mode cuts before the first 
 yet trained, so a resumed run admits those groups again with the same ids, prompts and
 seeds and, batches being ordered by group id, repeats the uninterrupted run bit for bit.
 (Groups dropped for verifier errors or filtered for zero reward variance in the window
-are dropped or filtered again, and not counted twice.) Async mode cuts at the last admission: the verified groups then queued are saved
-with the checkpoint (host-side rollouts, their token versions kept) and queued again on
-resume, so their staleness is counted and bounded as usual; only the groups still being
-generated or verified are lost (counted in summary.json, never repeated).
+are dropped or filtered again, and not counted twice.) Async mode cuts at the last
+admission: the verified groups then queued are saved with the checkpoint (host-side
+rollouts, their token versions kept) and queued again on resume, so their staleness is
+counted and bounded as usual; only the groups still being generated or verified are lost
+(counted in summary.json, never repeated).
 
 Faults: SIGTERM saves at the next step boundary and raises Preempted (past
 checkpoint.grace_period_s the process exits with status 143 without waiting for the

@@ -11,8 +11,9 @@ steps the generator; verifier workers score finished rollouts and put complete g
 the bounded queue; the trainer (the calling thread, `Pipeline.run`) consumes groups,
 trains and publishes weights. With rl.filter_groups="zero_variance" the sampler worker
 filters groups whose rewards are all equal and admits replacements, so every trained
-batch is groups_per_step informative groups (up to rl.max_oversample). Every admission, acceptance, publication and credit-release
-decision is the StalenessPolicy's (rl_jax/orchestration/policy.py):
+batch is groups_per_step informative groups (up to rl.max_oversample). Every admission,
+acceptance, publication and credit-release decision is the StalenessPolicy's
+(rl_jax/orchestration/policy.py):
 
   sync:  the sampler admits exactly `groups_per_step` groups per optimizer step and then
          waits for the next publication (the barrier); every trained token is on-policy.
