@@ -415,7 +415,10 @@ def _plan_cli(*args):
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def test_cli_missing_profile_dir_is_one_clear_error(tmp_path):
+def test_cli_bad_filter_rate_or_missing_profile_dir_is_one_clear_error(tmp_path):
+  proc = _plan_cli("--config", "configs/default.py", "--devices", "8", "--filter-rate", "1.5")
+  assert proc.returncode != 0
+  assert proc.stderr.strip() == "error: --filter-rate must be in [0, 1), got 1.5"
   missing = str(tmp_path / "no_such_run")
   proc = _plan_cli("--config", "configs/default.py", "--devices", "8", "--profile", missing)
   assert proc.returncode != 0
@@ -426,11 +429,13 @@ def test_cli_plans_and_writes_png(tmp_path):
   proc = _plan_cli("--config", "configs/default.py", "--devices", "4", *PINNED,
                    "--config.rl.total_steps=12", "--sweep-inflight", "auto,16",
                    "--turns-per-episode", "2", "--config.env.tool.latency=fixed",
-                   "--config.env.tool.latency_mean_s=0.5", "--out", str(tmp_path))
+                   "--config.env.tool.latency_mean_s=0.5", "--filter-rate", "0.3",
+                   "--config.rl.filter_groups=zero_variance", "--out", str(tmp_path))
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
   assert "recommended:" in out and "2x longer responses" in out
   assert "tool use: 2 turns per episode" in out
+  assert "dynamic sampling: 30% of groups uniform" in out
   assert "2x slower verification" in out and "--config.mesh.sampler.data=" in out
   assert os.path.getsize(tmp_path / "plan.png") > 1000
 
