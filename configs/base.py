@@ -93,6 +93,11 @@ def get_config(arg=None):
   c.rl.inflight_weight_updates = True
   c.rl.eval_every = 10  # optimizer steps between held-out evaluations; 0: only at start/end
   c.rl.verifier_patience_s = 60.0  # give up when no group verifies for this long
+  # none | zero_variance: groups whose rewards are all equal are not trained; replaced
+  c.rl.filter_groups = "none"
+  c.rl.max_oversample = 4  # filtering samples at most this many x the batch per step
+  c.rl.overlong = "none"  # none | mask (truncated completions out of the loss) | penalty
+  c.rl.overlong_buffer = 0  # penalty: tokens before the limit where the penalty ramps
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on generated demonstrations before RL

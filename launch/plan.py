@@ -3,7 +3,7 @@
   python launch/plan.py --config configs/default.py --devices 8 [--profile WORKDIR]
       [--memory-gb 139] [--sweep-staleness 0,1,2,4] [--sweep-inflight auto,16,32]
       [--max-discard 0.05] [--turns-per-episode 2 [--turns-dist geometric]
-      [--observation-tokens 16]] [--out DIR] [--config.x=y ...]
+      [--observation-tokens 16]] [--filter-rate 0.3] [--out DIR] [--config.x=y ...]
   python launch/plan.py --config configs/default.py --validate WORKDIR [--profile PILOT]
 
 --profile fits the throughput models and distributions from a pilot's workdir;
@@ -12,6 +12,10 @@
 --turns-per-episode: tool-using episodes of that many model turns on average (a list: an
 empirical distribution), a call to the env.tool pool of the config between two turns
 (rl_jax.planner.TurnModel); default: a tool-using --profile pilot's fitted turns.
+--filter-rate: share of verified groups whose rewards are all equal; with
+rl.filter_groups=zero_variance they are filtered and replaced, so the simulated sampler
+samples more groups per step while the trainer's batch is the informative groups.
+Default: measured from the --profile pilot, else 0.
 """
 import os
 import sys
@@ -48,8 +52,14 @@ def _main(argv):
   p.add_argument("--turns-per-episode", default="")
   p.add_argument("--turns-dist", choices=("geometric", "fixed"), default="geometric")
   p.add_argument("--observation-tokens", type=int, default=16)
+  p.add_argument("--filter-rate", type=float, default=None)
   p.add_argument("--out", default="runs/plan")
   args = p.parse_args(rest)
+  if args.filter_rate is not None and not 0 <= args.filter_rate < 1:
+    sys.exit(f"error: --filter-rate must be in [0, 1), got {args.filter_rate}")
+  if args.filter_rate and cfg.rl.filter_groups == "none":
+    print("note: --filter-rate changes nothing with rl.filter_groups=none (uniform groups "
+          "are trained); add --config.rl.filter_groups=zero_variance to plan filtering")
   turns = _ints(args.turns_per_episode, "--turns-per-episode", kind=float) or None
   if turns:
     turns = planner.turn_model(cfg, turns_per_episode=turns if len(turns) > 1 else turns[0],
@@ -67,7 +77,8 @@ def _main(argv):
   result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
                         staleness_values=_ints(args.sweep_staleness, "--sweep-staleness"),
                         inflight_values=_ints(args.sweep_inflight, "--sweep-inflight", auto=True),
-                        max_discard_rate=args.max_discard, turns=turns)
+                        max_discard_rate=args.max_discard, turns=turns,
+                        uniform_rate=args.filter_rate)
   print(planner.format_plan(result))
   if result.recommended is not None:
     print("run it with: " + " ".join(planner.overrides(cfg, result.recommended)))

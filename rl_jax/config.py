@@ -259,6 +259,7 @@ DOMAINS = {
     "rl.total_steps": ">= 1", "rl.groups_per_step": ">= 1", "rl.group_size": ">= 2",
     "rl.max_staleness": ">= 0", "rl.max_inflight_groups": ">= -1", "rl.queue_maxsize": ">= 1",
     "rl.weight_sync_every": ">= 1", "rl.eval_every": ">= 0", "rl.verifier_patience_s": "> 0",
+    "rl.max_oversample": ">= 1", "rl.overlong_buffer": ">= 0",
     "warmstart.steps": ">= 0", "warmstart.batch_size": ">= 1", "warmstart.learning_rate": "> 0",
     # 10**digits must fit the int64 the procedural tasks draw operands with.
     "task.digits": "[1, 18]", "task.num_terms": ">= 2", "task.format_reward": ">= 0",
@@ -409,6 +410,8 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
 
   check_fields(cfg, base_config())
   _choice(cfg, "rl.mode", ("sync", "async"))
+  _choice(cfg, "rl.filter_groups", ("none", "zero_variance"))
+  _choice(cfg, "rl.overlong", ("none", "mask", "penalty"))
   _choice(cfg, "model.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.remat", ("none", "full", "dots"))
@@ -443,6 +446,10 @@ def _check_cross_fields(cfg) -> None:
     stall = StalenessPolicy.from_config(rl).stall_reason()
     _require(not stall, f"config fields 'rl.max_inflight_groups', 'rl.max_staleness', "
              f"'rl.groups_per_step', 'rl.weight_sync_every': {stall}")
+  if rl.overlong == "penalty":
+    _require(1 <= rl.overlong_buffer <= s.max_new_tokens,
+             f"config field 'rl.overlong_buffer' must be in [1, sampler.max_new_tokens = "
+             f"{s.max_new_tokens}] with rl.overlong=penalty; got {rl.overlong_buffer}")
   _require(len(t.length_buckets) > 0 and list(t.length_buckets) == sorted(t.length_buckets)
            and all(isinstance(b, int) and b >= 1 for b in t.length_buckets),
            f"config field 'trainer.length_buckets' must be a non-empty increasing tuple of "

@@ -6,7 +6,9 @@ Names are flat and prefixed by area, following the seed's monitoring table:
                  tool use: parked (sequences waiting for a tool: pages held, no slot),
                  parked_pages, parked_mean (since the last row), model_tokens_per_s and
                  env_tokens_per_s (completion tokens by source: sampled / observation)
-  lengths/*      p50, p90, p95, p99 completion length, truncation_rate
+  lengths/*      p50, p90, p95, p99 completion length, truncation_rate; running totals
+                 overlong_masked_total (truncated rollouts out of the loss, rl.overlong=
+                 mask) and overlong_penalized_total (rollouts given the overlong penalty)
   latency/*      rollout_p50/p95/p99 (admission -> finished), verifier_p50/p95/p99,
                  tool_p50/p95/p99 (tool call submitted -> result, queueing included)
   queue/*        depth, enqueue_rate, dequeue_rate, oldest_age_s, inflight_groups
@@ -30,8 +32,12 @@ Names are flat and prefixed by area, following the seed's monitoring table:
   data/*         groups_admitted, groups_lost_on_resume (in flight at a resumed cut),
                  groups_dropped_verifier_error (verifier.on_error="drop"), prompts_dropped
                  and prompts_truncated (data.on_long_prompt), prompts_skipped_lines (bad
-                 lines of a task file), heldout_prompts_dropped, heldout_prompts_truncated;
-                 running totals, also in summary.json without the prefix
+                 lines of a task file), heldout_prompts_dropped, heldout_prompts_truncated,
+                 groups_filtered_zero_variance and groups_uniform_capped
+                 (rl.filter_groups: uniform groups filtered, and trained past the
+                 rl.max_oversample budget); running totals, also in summary.json without
+                 the prefix; filtered_share (filtered / completed groups) and
+                 sampled_per_trained (groups admitted per group trained), since the last row
   checkpoint/*   last_step (newest committed checkpoint step, -1 before one), blocking_s
   env/*          tool use (tasks with an environment): turns_mean, tool_calls_mean and
                  tool_call_rate (share with >= 1 call) of the rollouts finished since the

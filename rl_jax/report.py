@@ -1,6 +1,7 @@
 """Plots and an HTML page from run workdirs (summary.json + metrics.jsonl).
 
-Used by launch/report.py (one or more workdirs) and launch/compare.py (sync vs async).
+Used by launch/report.py (one or more workdirs) and launch/compare.py (sync vs async, one
+seed or the median and range over several).
 """
 from __future__ import annotations
 
@@ -66,6 +67,67 @@ def compare_headline(sync: dict, async_: dict) -> str:
   return (f"time to target (held-out reward {target:.3f}): sync {t_sync:.1f}s, "
           f"async {t_async:.1f}s, speedup {t_sync / max(t_async, 1e-9):.2f}x; final held-out "
           f"(mean of last 3 evaluations) sync {target:.3f} vs async {final_async:.3f}")
+
+
+def _median_range(values) -> str:
+  """"median [min, max]" of seconds or rewards; a run that never reached its target is
+  inf (it counts in the median as the slowest)."""
+  v = np.sort(np.asarray([np.inf if x is None else x for x in values], float))
+  return f"{float(np.median(v)):.3g} [{v[0]:.3g}, {v[-1]:.3g}]"
+
+
+def seeds_headline(runs: dict[str, list[dict]]) -> str:
+  """compare.py --seeds: per mode (runs[mode] = that mode's seeds' summaries) the time to
+  target and the final held-out reward (mean of the last 3 evaluations) as median
+  [min, max] over seeds. Target = the median over the first mode's seeds of their final
+  reward; a seed that never reaches it counts as inf (and is counted as such)."""
+  modes = list(runs)
+  finals = {m: [final_reward(s["heldout_curve"]) for s in runs[m]] for m in modes}
+  target = float(np.median(finals[modes[0]]))
+  times = {m: [time_to_target(s["heldout_curve"], target) for s in runs[m]] for m in modes}
+  parts = []
+  for m in modes:
+    missed = sum(t is None for t in times[m])
+    miss = f" ({missed} of {len(times[m])} never reached it)" if missed else ""
+    parts.append(f"{m} {_median_range(times[m])}s{miss}")
+  line = (f"over {len(runs[modes[0]])} seeds, median [min, max]: time to target (held-out "
+          f"reward {target:.3f}, {modes[0]}'s median final) " + ", ".join(parts))
+  if len(modes) == 2:
+    a, b = (float(np.median([np.inf if t is None else t for t in times[m]])) for m in modes)
+    line += f", median speedup {a / max(b, 1e-9):.2f}x"
+  return line + "; final held-out (mean of last 3 evaluations) " + ", ".join(
+      f"{m} {_median_range(finals[m])}" for m in modes)
+
+
+def plot_seeds(runs: dict[str, list[dict]], path: str, *, title: str, note: str = "") -> str:
+  """Held-out reward vs pipeline time with every seed's curve (one colour per mode) to
+  `path` (.png or .svg); returns `path`."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import textwrap
+
+  check_plot_path(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig, ax = plt.subplots(figsize=(6, 4.6 if note else 4))
+  for i, (mode, seeds) in enumerate(runs.items()):
+    for k, run in enumerate(seeds):
+      c = np.asarray(run["summary"]["heldout_curve"], float)
+      ax.plot(c[:, 0], c[:, 2], marker=".", color=f"C{i}", alpha=0.75,
+              label=f"{mode} ({len(seeds)} seeds)" if k == 0 else None)
+  ax.set_xlabel("pipeline wall time (s)")
+  ax.set_ylabel("held-out reward (greedy)")
+  ax.set_title(title)
+  ax.legend()
+  if note:
+    fig.text(0.5, 0.01, "\n".join(textwrap.wrap(note, 90)), ha="center", va="bottom",
+             fontsize=7)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+  else:
+    fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return path
 
 
 def _series(rows, key):
@@ -211,7 +273,9 @@ def _tool_figure(plt, runs):
 _KEYS = ("wall_time_s", "optimizer_steps", "heldout_reward_initial", "heldout_reward_final",
          "rollouts_generated", "rollouts_trained", "rollouts_discarded_stale",
          "sampler_tokens_per_s", "trainer_tokens_per_s", "weight_sync_s_mean",
-         "sampler_busy_frac", "trainer_busy_frac", "max_queue_depth")
+         "sampler_busy_frac", "trainer_busy_frac", "max_queue_depth",
+         "groups_filtered_zero_variance", "filtered_share", "sampled_per_trained",
+         "groups_uniform_capped", "rollouts_overlong_masked", "rollouts_overlong_penalized")
 # Tool use (runs of a task with an environment).
 _ENV_KEYS = ("heldout_tool_call_rate_initial", "heldout_tool_call_rate_final",
              "turns_per_rollout_mean", "tool_calls_per_rollout_mean", "tool_call_rate",

@@ -141,6 +141,10 @@ def test_bad_file_and_variant(tmp_path):
     ("env.tool.backend", "fibers", ["env.tool.backend", "'threads'"]),
     ("env.tool.latency_alpha", 1.0, ["env.tool.latency_alpha", "> 1"]),
     ("env.tool.latency_file", "/nonexistent", ["env.tool.latency_file", "does not exist"]),
+    ("rl.filter_groups", "uniform", ["rl.filter_groups", "'none', 'zero_variance'"]),
+    ("rl.max_oversample", 0, ["rl.max_oversample", ">= 1"]),
+    ("rl.overlong", "clip", ["rl.overlong", "'none', 'mask', 'penalty'"]),
+    ("rl.overlong_buffer", 0, ["rl.overlong_buffer", "[1, sampler.max_new_tokens"]),
 ])
 def test_validation_errors(field, value, words):
   cfg, _ = load()
@@ -153,6 +157,8 @@ def test_validation_errors(field, value, words):
   if field in ("env.tool.latency_alpha", "env.tool.latency_file"):
     cfg.env.tool.latency = "pareto" if field.endswith("alpha") else "empirical"
     cfg.env.tool.latency_mean_s = 1.0
+  if field == "rl.overlong_buffer":
+    cfg.rl.overlong = "penalty"
   if field == "rl.groups_per_step":
     cfg.mesh.trainer.update(data=1, fsdp=2, tensor=2)
     cfg.rl.group_size = 3  # 3 x 3 = 9 rollouts over 2 data-parallel trainer devices

@@ -278,3 +278,22 @@ def test_logprob_mismatch_counts_only_current_version_tokens():
   np.testing.assert_allclose(out["mismatch_sum"], gap.sum(), rtol=1e-6)
   np.testing.assert_allclose(out["mismatch_max"], gap.max(), rtol=1e-6)
   assert float(out["mismatch_tokens"]) == on.sum()
+
+
+def test_overlong_penalty_matches_dapo_formula():
+  """DAPO's soft overlong punishment, against a scalar NumPy reference of its formula."""
+  max_len, buffer = 20, 8
+  lengths = np.arange(0, 26)
+
+  def reference(length):
+    start = max_len - buffer
+    if length <= start:
+      return 0.0
+    if length <= max_len:
+      return (start - length) / buffer
+    return -1.0
+  want = np.asarray([reference(int(n)) for n in lengths], np.float32)
+  got = grpo.overlong_penalty(lengths_b=lengths, max_len=max_len, buffer=buffer)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert got.dtype == np.float32
+  assert got[12] == 0 and got[13] == np.float32(-1 / 8) and got[20] == -1 and got[25] == -1

@@ -249,7 +249,9 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
   """configs/calculator.py in miniature: episodes park at tool calls and resume with the
   tool's answer. Every observation in every rollout is the calculator's answer to the
   call before it (recomputed here), carries no log-prob or version, and the trainer's
-  token count is the trained rollouts' model tokens only."""
+  token count is the trained rollouts' model tokens only. Episodes are filtered like
+  single-turn rollouts (rl.filter_groups=zero_variance): a trained group with equal
+  rewards was trained only because the step's filter budget ran out."""
   from rl_jax.model.tokenizer import CharTokenizer
   from rl_jax.tasks.calculator import evaluate_call, observation
   cfg, _ = config_lib.parse_args([
@@ -260,8 +262,17 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
       "--config.sampler.max_concurrent_decodes=4", "--config.sampler.page_size=16",
       "--config.trainer.length_buckets=(64,)",
       "--config.env.tool.latency=fixed", "--config.env.tool.latency_mean_s=0.01",
+      "--config.rl.filter_groups=zero_variance", "--config.rl.max_oversample=2",
       "--config.metrics.console=false", "--config.metrics.tensorboard=false"])
   pipe, summary, rollouts = run_pipeline(config_lib.validate(cfg), tmp_path)
+  rewards = {}
+  for r in rollouts:
+    rewards.setdefault(r.group_id, set()).add(r.reward)
+  trained_uniform = sum(len(rewards[gid]) == 1 for _, gid, _ in pipe.acc.trained_log)
+  assert summary["groups_uniform_capped"] == trained_uniform
+  assert summary["groups_admitted"] == (
+      summary["groups_trained"] + summary["groups_discarded_stale"] +
+      summary["groups_filtered_zero_variance"] + summary["groups_in_flight_at_end"])
   tok = CharTokenizer()
   observations = 0
   for r in rollouts:
@@ -292,3 +303,73 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
   assert sum(r["optim/tokens"] for r in rows if "optim/tokens" in r) == model_tokens
   assert all("env/tool_calls_mean" in r and "latency/tool_p99" in r
              for r in rows if "optim/loss" in r)
+
+
+def _patch_rewards(pipe, reward):
+  """Every verifier result's reward becomes reward(group_id, sample_index)."""
+  import dataclasses
+  from rl_jax.tasks.base import make_reward
+  submit = pipe.pool.submit
+
+  def patched(key, example, text, callback=None):
+    def rescore(k, result):
+      value = reward(*k)
+      callback(k, dataclasses.replace(
+          result, value=make_reward(correct=value, format_ok=0.0, format_reward=0.0)))
+    submit(key, example, text, callback=rescore)
+  pipe.pool.submit = patched
+
+
+@pytest.mark.parametrize("mode,oversample", [("sync", 2), ("async", 4)])
+def test_zero_variance_groups_are_filtered_and_replaced(tmp_path, mode, oversample):
+  """rl.filter_groups=zero_variance: groups whose rewards are all equal (here every group
+  whose id is not a multiple of 3) are not trained unless the step's filter budget,
+  (max_oversample - 1) x groups_per_step, ran out; each is counted and its credit returned
+  (the async run finishes: no stall); the budget's overflow is counted and warned once.
+  Sync also masks truncated completions out of the loss (rl.overlong=mask), counted."""
+  cfg = make_cfg(f"--config.rl.mode={mode}", "--config.rl.total_steps=3",
+                 "--config.rl.eval_every=0", "--config.rl.filter_groups=zero_variance",
+                 f"--config.rl.max_oversample={oversample}",
+                 f"--config.rl.overlong={'mask' if mode == 'sync' else 'none'}")
+  pipe = loop.Pipeline(cfg, str(tmp_path))
+  _patch_rewards(pipe, lambda gid, i: float(i % 2) if gid % 3 == 0 else 0.5)
+  trained, warnings, truncated = [], [], []
+  original = pipe.train_step
+
+  def train_step(groups, **kw):
+    trained.append([g.group_id for g in groups])
+    truncated.extend(r.finish_reason == "length" for g in groups for r in g.rollouts)
+    for g in groups:
+      assert len({r.reward for r in g.rollouts}) == (2 if g.group_id % 3 == 0 else 1)
+    return original(groups, **kw)
+  pipe.train_step = train_step
+  pipe.console.message = warnings.append
+  summary = pipe.run()
+  assert summary["optimizer_steps"] == 3 and all(len(b) == 4 for b in trained)
+  uniform_trained = sum(gid % 3 != 0 for b in trained for gid in b)
+  # (async: the sampler keeps going until the run stops; capped groups then wait queued)
+  left = sum(g.group_id % 3 != 0 for g in pipe.queue.groups())
+  assert summary["groups_uniform_capped"] == uniform_trained + left
+  filtered = summary["groups_filtered_zero_variance"]
+  assert filtered > 0 and summary["rollouts_filtered_zero_variance"] == 4 * filtered
+  assert summary["groups_admitted"] == (summary["groups_trained"] + filtered +
+                                        summary["groups_discarded_stale"] +
+                                        summary["groups_in_flight_at_end"])
+  assert summary["rollouts_in_flight_at_end"] >= 0
+  assert sum("rl.max_oversample" in w for w in warnings) == min(uniform_trained, 1)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert rows[-2]["data/groups_filtered_zero_variance"] <= filtered
+  assert uniform_trained <= rows[-2]["data/groups_uniform_capped"] <= uniform_trained + left
+  accepted = [0] + [r["staleness/accepted"] for r in rows[:-1]]
+  assert sum(r["data/sampled_per_trained"] * (b - a) for r, a, b in zip(
+      rows, accepted, accepted[1:])) == pytest.approx(rows[-2]["data/groups_admitted"])
+  if mode == "sync":
+    # Per step: ids 3k..: the window filters uniform groups in id order until the budget
+    # (4) is spent, admitting replacements at the same version; the rest are trained.
+    assert trained == [[0, 3, 6, 7], [9, 12, 14, 15], [18, 21, 22, 23]]
+    assert filtered == rows[-2]["data/groups_filtered_zero_variance"] == 12
+    assert summary["groups_admitted"] == 24 and left == 0
+    assert summary["rollouts_overlong_masked"] == sum(truncated) > 0
+    assert rows[-2]["lengths/overlong_masked_total"] == sum(truncated)
+  else:
+    assert summary["rollouts_overlong_masked"] == 0

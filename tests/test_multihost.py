@@ -130,7 +130,9 @@ def _run_two(flags, tmp_path, name):
 
 
 def test_two_process_sync_split_meshes_match_single_process(tmp_path):
-  flags = _with(TINY, **SPLIT)
+  """Also with zero-variance filtering: process 1 drops the groups process 0 filtered."""
+  flags = _with(TINY, **SPLIT, **{"rl.filter_groups": "zero_variance",
+                                  "rl.max_oversample": 2})
   (v, s, p_multi), summary = _run_two(flags, tmp_path, "multi")
   assert (v, s) == (3, 3)
   assert summary["optimizer_steps"] == 3 and summary["policy_version"] == 3
@@ -138,8 +140,10 @@ def test_two_process_sync_split_meshes_match_single_process(tmp_path):
   assert (v1, s1) == (3, 3)
   np.testing.assert_allclose(p_single, p_multi, rtol=1e-5, atol=1e-5)
   for key in ("rollouts_generated", "rollouts_trained", "completion_lengths",
-              "heldout_reward_final", "staleness_histogram"):
+              "heldout_reward_final", "staleness_histogram", "groups_filtered_zero_variance",
+              "groups_uniform_capped"):
     assert ref[key] == summary[key], key
+  assert summary["groups_filtered_zero_variance"] > 0
 
 
 def test_two_process_async_agrees_and_matches_single_process(tmp_path):

@@ -415,7 +415,10 @@ def _plan_cli(*args):
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def test_cli_missing_profile_dir_is_one_clear_error(tmp_path):
+def test_cli_bad_filter_rate_or_missing_profile_dir_is_one_clear_error(tmp_path):
+  proc = _plan_cli("--config", "configs/default.py", "--devices", "8", "--filter-rate", "1.5")
+  assert proc.returncode != 0
+  assert proc.stderr.strip() == "error: --filter-rate must be in [0, 1), got 1.5"
   missing = str(tmp_path / "no_such_run")
   proc = _plan_cli("--config", "configs/default.py", "--devices", "8", "--profile", missing)
   assert proc.returncode != 0
@@ -426,11 +429,13 @@ def test_cli_plans_and_writes_png(tmp_path):
   proc = _plan_cli("--config", "configs/default.py", "--devices", "4", *PINNED,
                    "--config.rl.total_steps=12", "--sweep-inflight", "auto,16",
                    "--turns-per-episode", "2", "--config.env.tool.latency=fixed",
-                   "--config.env.tool.latency_mean_s=0.5", "--out", str(tmp_path))
+                   "--config.env.tool.latency_mean_s=0.5", "--filter-rate", "0.3",
+                   "--config.rl.filter_groups=zero_variance", "--out", str(tmp_path))
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
   assert "recommended:" in out and "2x longer responses" in out
   assert "tool use: 2 turns per episode" in out
+  assert "dynamic sampling: 30% of groups uniform" in out
   assert "2x slower verification" in out and "--config.mesh.sampler.data=" in out
   assert os.path.getsize(tmp_path / "plan.png") > 1000
 
@@ -566,3 +571,25 @@ def test_prefill_lane_paces_new_prompts(lane, finish_s):
   pred = planner.simulate(sc)
   assert pred.wall_s == pytest.approx(finish_s + 0.6, abs=1e-9)
   assert pred.sampler_busy_frac * pred.wall_s == pytest.approx(finish_s, abs=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_simulated_filtering_samples_more_groups_per_trained_group(mode):
+  """Scenario.uniform_rate u with rl.filter_groups=zero_variance: the run's policy
+  filters uniform groups, so about 1 / (1 - u) groups are sampled per group trained (the
+  budget, 3 x the batch, rarely binds at u = 0.5) and every step still trains a full
+  batch; at u = 0.9 with max_oversample=2 the budget caps sampling at 2 x the batch.
+  Filtering off ignores the rate (same prediction as u = 0)."""
+  base = dict(mode=mode, num_steps=30, max_inflight_groups=8 if mode == "sync" else 24)
+  plain = planner.simulate(_scenario(**base))
+  off = planner.simulate(_scenario(**base, uniform_rate=0.5))
+  assert off.wall_s == plain.wall_s and off.groups_filtered == 0
+  on = planner.simulate(_scenario(**base, uniform_rate=0.5, filter_groups="zero_variance"))
+  assert on.optimizer_steps == 30 and on.rollouts_trained == plain.rollouts_trained
+  assert on.groups_filtered > 0 and on.wall_s > plain.wall_s
+  assert on.sampled_per_trained == pytest.approx(2.0, rel=0.2)
+  assert on.rows[-1]["data/groups_filtered_zero_variance"] == on.groups_filtered
+  capped = planner.simulate(_scenario(**base, uniform_rate=0.9, filter_groups="zero_variance",
+                                      max_oversample=2))
+  assert capped.sampled_per_trained <= 2.0 + 24 / (30 * 8)  # + what is in flight at the end
+  assert capped.groups_filtered <= 30 * 8

@@ -25,6 +25,18 @@ def _rl(**kw):
   return base
 
 
+def test_zero_variance_filter_and_its_budget():
+  off = StalenessPolicy.make(**_rl())
+  assert not off.uniform([1.0, 1.0]) and not off.filters([0.0, 0.0], 0)
+  p = StalenessPolicy.make(**_rl(filter_groups="zero_variance", max_oversample=3))
+  assert p.filter_budget == 8  # (3 - 1) x 4 groups per step
+  assert p.uniform([0.5, 0.5, 0.5]) and not p.uniform([0.5, 0.5, 0.25])
+  assert p.filters([1.0, 1.0], 7) and not p.filters([1.0, 1.0], 8)
+  assert not p.filters([1.0, 0.0], 0)
+  assert not StalenessPolicy.make(**_rl(filter_groups="zero_variance",
+                                        max_oversample=1)).filters([1.0, 1.0], 0)
+
+
 def test_rules():
   p = StalenessPolicy.make(**_rl())
   assert p.max_inflight == 8 and p.bound == 1
@@ -63,7 +75,8 @@ def test_from_config_matches_the_planner_scenario():
   from rl_jax.planner import capacity
   from rl_jax.planner.models import DEVICES
   for extra in ([], ["--config.rl.mode=sync"], ["--config.rl.max_inflight_groups=24"],
-                ["--config.rl.weight_sync_every=2", "--config.rl.max_staleness=3"]):
+                ["--config.rl.weight_sync_every=2", "--config.rl.max_staleness=3"],
+                ["--config.rl.filter_groups=zero_variance", "--config.rl.max_oversample=3"]):
     cfg, _ = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"), *extra])
     model_cfg, params = capacity.model_shape(cfg)
     sc = capacity.scenario(cfg, layout=capacity.pilot_layout(cfg), profile=None,

@@ -133,15 +133,18 @@ def _finish(run):
 
 @pytest.fixture(scope="module")
 def sync_runs(env, tmp_path_factory):
-  """An uninterrupted sync run, and one SIGKILLed after step 2 and resumed."""
+  """An uninterrupted sync run, and one SIGKILLed after step 2 and resumed; both filter
+  zero-variance groups (the untrained model's groups are mostly uniform)."""
   base = tmp_path_factory.mktemp("sync")
   ref, killed = str(base / "uninterrupted"), str(base / "killed")
-  run = Run(env, killed, "--config.rl.mode=sync")
+  flags = ("--config.rl.mode=sync", "--config.rl.filter_groups=zero_variance",
+           "--config.rl.max_oversample=2")
+  run = Run(env, killed, *flags)
   run.wait_for_new_step(2)
   run.proc.kill()
   run.wait()
-  resumed = Run(env, killed, "--config.rl.mode=sync")
-  reference = Run(env, ref, "--config.rl.mode=sync")
+  resumed = Run(env, killed, *flags)
+  reference = Run(env, ref, *flags)
   return reference, _finish(reference), resumed, _finish(resumed)
 
 
@@ -165,6 +168,11 @@ def test_sync_resume_after_sigkill_is_bitwise_identical(sync_runs):
   assert summary["resumes"] == [{"step": step, "groups_lost": 0, "skipped_steps": []}]
   assert summary["groups_trained"] == ref_summary["groups_trained"] == 20
   assert summary["groups_lost_on_resume"] == 0
+  # The window's filtered groups are filtered again after the resume, counted once.
+  for key in ("groups_filtered_zero_variance", "groups_uniform_capped", "groups_admitted",
+              "rollouts_generated"):
+    assert summary[key] == ref_summary[key], key
+  assert summary["groups_filtered_zero_variance"] > 0
   assert summary["heldout_reward_final"] == ref_summary["heldout_reward_final"]
   assert [p[1:] for p in summary["heldout_curve"]] == [p[1:] for p in ref_summary["heldout_curve"]]
   # Faults surfaced as metrics: injected verifier failures; the tiny KV pool is respected.

@@ -55,6 +55,24 @@ def _host(tree):
   return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
+def test_overlong_mask_drops_truncated_rows_from_the_loss_not_from_advantages():
+  groups = _groups(1)
+  truncated = groups[0].rollouts[1]
+  truncated.finish_reason = "length"
+  kw = dict(pad_id=0, length_buckets=(16, 32), std_normalize=True)
+  plain = ts.make_train_batch(groups, **kw)
+  masked = ts.make_train_batch(groups, mask_truncated=True, **kw)
+  assert plain.mask_bt[1].sum() == truncated.num_tokens
+  assert not masked.mask_bt[1].any()
+  rows = [i for i in range(plain.mask_bt.shape[0]) if i != 1]
+  np.testing.assert_array_equal(masked.mask_bt[rows], plain.mask_bt[rows])
+  # The truncated rollout's reward still counts in its group's advantages.
+  np.testing.assert_array_equal(masked.advantages_b, plain.advantages_b)
+  rewards = np.asarray([r.reward for r in groups[0].rollouts])
+  np.testing.assert_allclose(masked.advantages_b[:4], (rewards - rewards.mean()) /
+                             (rewards.std() + 1e-6), rtol=1e-5)
+
+
 def test_make_train_batch_layout():
   groups = _groups(0)
   groups[1].rollouts[0].completion_tokens = np.array([7, 8, 9], np.int32)

@@ -206,6 +206,12 @@ class RunAccounting:
       self.counts["groups_dropped_verifier_error"] += 1
       self.counts["rollouts_dropped_verifier_error"] += len(group.rollouts)
 
+  def filtered(self, group) -> None:
+    """A group not queued because its rewards are all equal (rl.filter_groups)."""
+    with self.lock:
+      self.counts["groups_filtered_zero_variance"] += 1
+      self.counts["rollouts_filtered_zero_variance"] += len(group.rollouts)
+
   def trained(self, groups, tm: dict, *, padded: int, step_s: float) -> None:
     self.step_times.append(step_s)
     self.padded_tokens += padded
@@ -280,6 +286,8 @@ class RunAccounting:
     row.update({f"lengths/{k}": v for k, v in metrics_lib.percentiles(lengths).items()})
     row["lengths/truncation_rate"] = (
         float(np.mean([r.finish_reason == "length" for r in finished])) if finished else 0.0)
+    row["lengths/overlong_masked_total"] = self.counts["rollouts_overlong_masked"]
+    row["lengths/overlong_penalized_total"] = self.counts["rollouts_overlong_penalized"]
     row["lengths/prompt_mean"] = (float(np.mean([len(r.prompt_tokens) for r in finished]))
                                   if finished else 0.0)
     row.update(_pct_row("latency/rollout", [r.finished - r.admitted for r in finished
@@ -290,9 +298,27 @@ class RunAccounting:
     for k, v in tm.items():
       row[k if "/" in k else ("policy/" if k in _POLICY_KEYS else "optim/") + k] = v
     row.update(self._fault_row())
+    row.update(self._filter_row())
     if self.has_env:
       row.update(self._env_row(generator, dt))
     return row
+
+  def _filter_row(self) -> dict:
+    """Dynamic sampling (rl.filter_groups): the running total of filtered groups, the
+    filtered share of the groups completed since the last row, and groups sampled
+    (admitted) per group trained since the last row."""
+    now = {"filtered": self.counts["groups_filtered_zero_variance"],
+           "completed": self.counts["groups_completed"],
+           "admitted": self.counts["groups_admitted"],
+           "trained": sum(self.staleness_hist.values())}
+    d = {k: v - self._marks[f"filter_{k}"] for k, v in now.items()}
+    self._marks.update({f"filter_{k}": v for k, v in d.items()})  # (adds the deltas)
+    return {
+        "data/groups_filtered_zero_variance": now["filtered"],
+        "data/filtered_share": d["filtered"] / d["completed"] if d["completed"] else 0.0,
+        "data/sampled_per_trained": d["admitted"] / d["trained"] if d["trained"] else 0.0,
+        "data/groups_uniform_capped": self.counts["groups_uniform_capped"],
+    }
 
   def _env_row(self, generator, dt: float) -> dict:
     """Tool use since the last row (module docstring), and the running totals."""
@@ -412,18 +438,29 @@ class RunAccounting:
         "prompt_tokens_mean": self.prompt_tokens_total / max(c["rollouts_generated"], 1),
         **self.sync_means(),
         # groups_admitted = trained + discarded_stale + dropped_verifier_error
-        #                  + lost_on_resume + in_flight_at_end
+        #                  + filtered_zero_variance + lost_on_resume + in_flight_at_end
         "groups_admitted": c["groups_admitted"],
         "groups_trained": sum(self.staleness_hist.values()),
         "groups_discarded_stale": c["groups_discarded_stale"],
         "groups_dropped_verifier_error": c["groups_dropped_verifier_error"],
         "rollouts_dropped_verifier_error": c["rollouts_dropped_verifier_error"],
+        "groups_filtered_zero_variance": c["groups_filtered_zero_variance"],
+        "rollouts_filtered_zero_variance": c["rollouts_filtered_zero_variance"],
+        "groups_uniform_capped": c["groups_uniform_capped"],
+        "groups_completed": c["groups_completed"],
+        "filtered_share": (c["groups_filtered_zero_variance"] / c["groups_completed"]
+                           if c["groups_completed"] else 0.0),
+        "sampled_per_trained": (c["groups_admitted"] / sum(self.staleness_hist.values())
+                                if self.staleness_hist else 0.0),
+        "rollouts_overlong_masked": c["rollouts_overlong_masked"],
+        "rollouts_overlong_penalized": c["rollouts_overlong_penalized"],
         "groups_lost_on_resume": c["groups_lost_on_resume"],
         "groups_in_flight_at_end": groups_in_flight,
         "rollouts_lost_on_resume": c["rollouts_lost_on_resume"],
         "rollouts_in_flight_at_end": (c["rollouts_generated"] - c["rollouts_trained"] -
                                       c["rollouts_discarded_stale"] -
                                       c["rollouts_dropped_verifier_error"] -
+                                      c["rollouts_filtered_zero_variance"] -
                                       c["rollouts_lost_on_resume"]),
         "resumes": self.resumes,
         "last_checkpoint_step": self.committed_step(),

@@ -5,11 +5,12 @@ loop state at a cut in the stream of groups: every group id below `next_group_id
 settled (trained, discarded as stale, or lost). Sync mode cuts before the first group not
 yet trained, so a resumed run admits those groups again with the same ids, prompts and
 seeds and, batches being ordered by group id, repeats the uninterrupted run bit for bit.
-(Groups dropped for verifier errors in the window are dropped again, and not counted
-twice.) Async mode cuts at the last admission: the verified groups then queued are saved
-with the checkpoint (host-side rollouts, their token versions kept) and queued again on
-resume, so their staleness is counted and bounded as usual; only the groups still being
-generated or verified are lost (counted in summary.json, never repeated).
+(Groups dropped for verifier errors or filtered for zero reward variance in the window
+are dropped or filtered again, and not counted twice.) Async mode cuts at the last
+admission: the verified groups then queued are saved with the checkpoint (host-side
+rollouts, their token versions kept) and queued again on resume, so their staleness is
+counted and bounded as usual; only the groups still being generated or verified are lost
+(counted in summary.json, never repeated).
 
 Faults: SIGTERM saves at the next step boundary and raises Preempted (past
 checkpoint.grace_period_s the process exits with status 143 without waiting for the
@@ -150,11 +151,14 @@ class RunCheckpoints:
         # after a resume.
         cut, prompts = window[1], window[2]
       dropped = {g: n for g, n in c["dropped"].items() if g >= cut}
+      filtered = {g: n for g, n in c["filtered"].items() if g >= cut}
       counts["groups_admitted"] -= c["next_gid"] - cut
       counts["rollouts_generated"] -= (sum(v["rollouts"] for v in outstanding.values()) +
-                                       sum(dropped.values()))
+                                       sum(dropped.values()) + sum(filtered.values()))
       counts["groups_dropped_verifier_error"] -= len(dropped)
       counts["rollouts_dropped_verifier_error"] -= sum(dropped.values())
+      counts["groups_filtered_zero_variance"] -= len(filtered)
+      counts["rollouts_filtered_zero_variance"] -= sum(filtered.values())
       lost = []
     else:
       queued = [g for g in c["queued"] if g.group_id in outstanding]

@@ -9,8 +9,11 @@
 Threads: the sampler thread (rl_jax/orchestration/sampler_worker.py) admits groups and
 steps the generator; verifier workers score finished rollouts and put complete groups on
 the bounded queue; the trainer (the calling thread, `Pipeline.run`) consumes groups,
-trains and publishes weights. Every admission, acceptance, publication and credit-release
-decision is the StalenessPolicy's (rl_jax/orchestration/policy.py):
+trains and publishes weights. With rl.filter_groups="zero_variance" the sampler worker
+filters groups whose rewards are all equal and admits replacements, so every trained
+batch is groups_per_step informative groups (up to rl.max_oversample). Every admission,
+acceptance, publication and credit-release decision is the StalenessPolicy's
+(rl_jax/orchestration/policy.py):
 
   sync:  the sampler admits exactly `groups_per_step` groups per optimizer step and then
          waits for the next publication (the barrier); every trained token is on-policy.
@@ -89,6 +92,7 @@ class Pipeline:
     self._consistent = True  # False while a train step owns (donates) self.state
     self._credit = 0  # trained groups whose admission credit is not yet released
     self._discarded: list[int] = []  # stale group ids since the last train event
+    self._warned_oversample = False
     self._preempt = threading.Event()
     self.checkpoints = checkpointing.RunCheckpoints(self)
     self.acc.committed_step = self.checkpoints.last_step
@@ -268,6 +272,12 @@ class Pipeline:
     if every and step < total and (step % every == 0 or (evaluated and cfg.checkpoint.keep_best)):
       self.checkpoints.save(step, heldout=heldout if evaluated else None)
     self._log_row(step, groups, tm, heldout)
+    if self.acc.counts["groups_uniform_capped"] and not self._warned_oversample:
+      self._warned_oversample = True
+      self.console.message(
+          f"warning: uniform-reward groups were trained (zero advantage) because filtering "
+          f"reached rl.max_oversample={self.cfg.rl.max_oversample} x the batch in one step; "
+          f"data/groups_uniform_capped counts them (warned once per run)")
     if self._preempt.is_set():
       raise Preempted()
     return heldout
@@ -354,7 +364,11 @@ class Pipeline:
     """One optimizer step on `groups`, the same on the leader and on followers: train,
     publish the next version when `publish`, settle the groups and release admission
     credit as the policy says. The step's metrics."""
-    batch = self.trainer.make_train_batch(groups)
+    mask = self.cfg.rl.overlong == "mask"
+    batch = self.trainer.make_train_batch(groups, mask_truncated=mask)
+    if mask:
+      self.acc.count("rollouts_overlong_masked", sum(
+          r.finish_reason == "length" for g in groups for r in g.rollouts))
     t_step = time.perf_counter()
     self._consistent = False  # the step donates self.state; version and counters follow
     discarded, self._discarded = self._discarded + self.worker.take_drops(), []

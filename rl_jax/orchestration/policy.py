@@ -28,6 +28,15 @@ changes the run and its prediction alike. It imports nothing but the standard li
                            max_inflight >= groups_per_step * weight_sync_every
   a group dropped before the queue (verifier.on_error="drop") returns its credit at once
                            (RolloutQueue.drop), so drops can never stall admission
+  filters(rewards, n)      rl.filter_groups="zero_variance": a verified group whose rewards
+                           are all equal (zero GRPO advantage) is not queued; like a drop it
+                           returns its credit at once and the sampler admits a replacement
+                           (sync: in the same window, at the trainer's version). n = groups
+                           already filtered for the optimizer step being filled; filtering
+                           stops at n = (max_oversample - 1) * groups_per_step, i.e. at most
+                           max_oversample x the batch sampled per step, after which uniform
+                           groups are queued (and trained, with zero advantage). Staleness is
+                           unchanged: a replacement is admitted later, so it is younger.
 """
 from __future__ import annotations
 
@@ -52,17 +61,22 @@ class StalenessPolicy:
   max_inflight: int
   queue_maxsize: int
   weight_sync_every: int
+  filter_zero_variance: bool = False
+  max_oversample: int = 4
 
   @classmethod
   def from_config(cls, rl) -> StalenessPolicy:
     """From the `rl` config section (or anything with its field names)."""
     return cls.make(mode=rl.mode, groups_per_step=rl.groups_per_step,
                     max_staleness=rl.max_staleness, max_inflight_groups=rl.max_inflight_groups,
-                    queue_maxsize=rl.queue_maxsize, weight_sync_every=rl.weight_sync_every)
+                    queue_maxsize=rl.queue_maxsize, weight_sync_every=rl.weight_sync_every,
+                    filter_groups=getattr(rl, "filter_groups", "none"),
+                    max_oversample=getattr(rl, "max_oversample", 4))
 
   @classmethod
   def make(cls, *, mode: str, groups_per_step: int, max_staleness: int,
-           max_inflight_groups: int, queue_maxsize: int, weight_sync_every: int):
+           max_inflight_groups: int, queue_maxsize: int, weight_sync_every: int,
+           filter_groups: str = "none", max_oversample: int = 4):
     """max_inflight_groups -1 means auto, (max_staleness + 1) * groups_per_step."""
     sync = mode == "sync"
     inflight = groups_per_step if sync else admission_bound(
@@ -70,7 +84,9 @@ class StalenessPolicy:
         max_inflight_groups=max_inflight_groups)
     return cls(sync=sync, groups_per_step=int(groups_per_step),
                max_staleness=int(max_staleness), max_inflight=int(inflight),
-               queue_maxsize=int(queue_maxsize), weight_sync_every=int(weight_sync_every))
+               queue_maxsize=int(queue_maxsize), weight_sync_every=int(weight_sync_every),
+               filter_zero_variance=filter_groups == "zero_variance",
+               max_oversample=int(max_oversample))
 
   @property
   def bound(self) -> int:
@@ -90,6 +106,21 @@ class StalenessPolicy:
       return True
     return (admitted < (steps_done + 1) * self.groups_per_step
             and sampler_version == trainer_version)
+
+  @property
+  def filter_budget(self) -> int:
+    """Groups that may be filtered per optimizer step: (max_oversample - 1) x the batch."""
+    return (self.max_oversample - 1) * self.groups_per_step if self.filter_zero_variance else 0
+
+  def uniform(self, rewards) -> bool:
+    """Whether a group's rewards are all equal (its GRPO advantages are all zero) and
+    rl.filter_groups asks to filter such groups."""
+    return self.filter_zero_variance and len(rewards) > 0 and max(rewards) == min(rewards)
+
+  def filters(self, rewards, filtered: int) -> bool:
+    """Whether a verified group with these rewards is filtered, `filtered` groups having
+    been filtered already for the optimizer step being filled (module docstring)."""
+    return self.uniform(rewards) and filtered < self.filter_budget
 
   def publishes(self, step: int) -> bool:
     return step % self.weight_sync_every == 0

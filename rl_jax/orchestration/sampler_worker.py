@@ -25,6 +25,17 @@ verifier.on_error="drop" (the default): never queued, counted, and its admission
 returned at once (RolloutQueue.drop); sync mode admits a replacement once every group of
 its window is complete, so the set of groups generated together stays reproducible.
 
+Dynamic sampling (rl.filter_groups="zero_variance", StalenessPolicy.filters): a verified
+group whose rewards are all equal carries no GRPO signal. Async mode filters it at once
+like a drop (counted, credit returned, the sampler admits a replacement and keeps
+decoding). Sync mode holds the uniform groups of a round until every group of the round
+is complete, then filters them in group-id order (reproducible) and admits replacements
+at the same policy version. Past the policy's per-step budget ((rl.max_oversample - 1) x
+rl.groups_per_step filtered) uniform groups are queued and trained (zero advantage),
+counted as groups_uniform_capped. Multi-turn episodes are verified, and so filtered, the
+same way. rl.overlong="penalty" adds grpo.overlong_penalty to each rollout's reward before
+the group is judged.
+
 Verifier outage (rl.verifier_patience_s): the patience clock runs only while the
 pipeline waits on the verifier, i.e. while verifier calls are outstanding, or while the
 trainer waits for a batch and the newest result was a failure; each ok result resets it.
@@ -43,6 +54,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rl_jax.orchestration.errors import RunError
+from rl_jax.trainer import grpo
 from rl_jax.types import Group
 
 
@@ -87,6 +99,9 @@ class SamplerWorker:
     # for the checkpoint cut; drops not yet replaced; drops not yet in a train event.
     self.sync_window: tuple[int, int, Any] | None = None
     self.dropped: dict[int, int] = {}
+    self.filtered: dict[int, int] = {}  # the window's filtered groups (id -> rollouts)
+    self._sync_uniform: list[Group] = []  # sync: uniform groups of the round, undecided
+    self._filter_window = [0, 0]  # steps done, groups filtered while filling that step
     self._sync_dropped = 0
     self._new_drops: list[int] = []
     self._stop = threading.Event()
@@ -184,6 +199,7 @@ class SamplerWorker:
     gen = self.generator
     admitted = []
     if self.policy.sync:
+      self._settle_uniform_round()
       with self.lock:
         if self._sync_dropped and not self._groups:
           # Replacements start once every group of the window is complete, so which
@@ -191,7 +207,9 @@ class SamplerWorker:
           # verifier callback ran: sync runs stay reproducible bit for bit.
           self.sync_admitted -= self._sync_dropped
           self._sync_dropped = 0
-    while gen.has_capacity() and self.queue.can_admit():
+    # Sync mode admits nothing past the last step's window (async keeps its lead).
+    last = self.policy.sync and self.steps_done >= self.cfg.rl.total_steps
+    while not last and gen.has_capacity() and self.queue.can_admit():
       if not self.policy.barrier_allows(
           admitted=self.sync_admitted, steps_done=self.steps_done,
           sampler_version=gen.version, trainer_version=self.trainer_version):
@@ -202,8 +220,47 @@ class SamplerWorker:
       if self.policy.sync and (self.sync_window is None or self.sync_window[0] != self.steps_done):
         with self.lock:
           self.sync_window = (self.steps_done, gid, self.outstanding[gid]["prompts"])
-          self.dropped = {}
+          self.dropped, self.filtered = {}, {}
     return admitted
+
+  def _settle_uniform_round(self) -> None:
+    """Sync: once every group of the round is complete, filters its uniform groups in id
+    order while the budget lasts (each to be replaced) and queues the rest."""
+    with self.lock:
+      if self._groups or not self._sync_uniform:
+        return
+      uniform = sorted(self._sync_uniform, key=lambda g: g.group_id)
+      self._sync_uniform = []
+      verdicts = [self._judge_uniform(g) for g in uniform]
+      for g, filtered in zip(uniform, verdicts):
+        if filtered:
+          self.filtered[g.group_id] = len(g.rollouts)
+          self._sync_dropped += 1
+    for g, filtered in zip(uniform, verdicts):
+      self._filter_or_queue(g, filtered)
+
+  def _judge_uniform(self, group: Group) -> bool:
+    """Whether a uniform group is filtered (under self.lock); settles it if so."""
+    if self._filter_window[0] != self.steps_done:
+      self._filter_window = [self.steps_done, 0]
+    if not self.policy.filters([r.reward for r in group.rollouts], self._filter_window[1]):
+      return False
+    self._filter_window[1] += 1
+    self.outstanding.pop(group.group_id, None)
+    self._new_drops.append(group.group_id)
+    return True
+
+  def _filter_or_queue(self, group: Group, filtered: bool) -> None:
+    if filtered:
+      self.acc.filtered(group)
+      self.queue.drop()
+      return
+    if self.policy.uniform([r.reward for r in group.rollouts]):
+      self.acc.count("groups_uniform_capped")
+    group.rollouts.sort(key=lambda x: x.sample_index)
+    for x in group.rollouts:
+      x.enqueued = time.time()
+    self.queue.put(group)
 
   def admit_one(self) -> int:
     """Draws the next prompt as group `next_group_id` and adds it to the generator."""
@@ -286,7 +343,8 @@ class SamplerWorker:
       if group is None:
         return
       r = next(x for x in group.rollouts if x.sample_index == idx)
-      r.reward = float(result.reward.total)  # correctness + weighted format reward
+      # correctness + weighted format reward (+ the overlong penalty when asked)
+      r.reward = float(result.reward.total) + self._overlong_penalty(r)
       r.reward_info = dict(result.reward.components)
       r.verifier_status = result.status
       r.verified = result.t_finished
@@ -294,8 +352,14 @@ class SamplerWorker:
                   all(x.verifier_status != "pending" for x in group.rollouts))
       drop = complete and self.cfg.verifier.on_error == "drop" and any(
           x.verifier_status != "ok" for x in group.rollouts)
+      uniform = complete and not drop and self.policy.uniform(
+          [x.reward for x in group.rollouts])
+      hold = uniform and self.policy.sync  # decided when the round is complete
+      filtered = uniform and not hold and self._judge_uniform(group)
       if complete:
         del self._groups[gid]
+      if hold:
+        self._sync_uniform.append(group)
       if drop:
         self.outstanding.pop(gid, None)
         self._new_drops.append(gid)
@@ -303,14 +367,28 @@ class SamplerWorker:
           self.dropped[gid] = len(group.rollouts)
           self._sync_dropped += 1
     self.acc.verified(result)
+    if complete:
+      self.acc.count("groups_completed")
     if drop:
       self.acc.dropped(group)
       self.queue.drop()
-    elif complete:
-      group.rollouts.sort(key=lambda x: x.sample_index)
-      for x in group.rollouts:
-        x.enqueued = time.time()
-      self.queue.put(group)
+    elif complete and not hold:
+      self._filter_or_queue(group, filtered)
+
+  def _overlong_penalty(self, r) -> float:
+    """rl.overlong="penalty": grpo.overlong_penalty of the completion's length against
+    the episode's token limit (env.max_total_tokens, else sampler.max_new_tokens)."""
+    rl = self.cfg.rl
+    if rl.overlong != "penalty":
+      return 0.0
+    limit = self.cfg.sampler.max_new_tokens
+    if self.episodes is not None and self.cfg.env.max_total_tokens:
+      limit = self.cfg.env.max_total_tokens
+    penalty = float(grpo.overlong_penalty(lengths_b=np.asarray([r.num_tokens]),
+                                          max_len=limit, buffer=rl.overlong_buffer)[0])
+    if penalty < 0:
+      self.acc.count("rollouts_overlong_penalized")
+    return penalty
 
   def _tick(self, now: float) -> None:
     """Counts the outstanding time up to `now` (under self.lock)."""
@@ -338,7 +416,8 @@ class SamplerWorker:
                      f"far {self.acc.verifier_statuses()}")
 
   def take_drops(self) -> list[int]:
-    """Groups dropped for verifier errors since the last call (for the train event)."""
+    """Groups dropped for verifier errors or filtered since the last call (for the
+    train event: followers drop them too)."""
     with self.lock:
       drops, self._new_drops = self._new_drops, []
     return drops
@@ -389,4 +468,5 @@ class SamplerWorker:
       return {"outstanding": {gid: dict(v) for gid, v in self.outstanding.items()},
               "prompts": self.prompts.get_state(), "next_gid": self.next_group_id,
               "counts": collections.Counter(self.acc.counts), "queued": self.queue.groups(),
-              "sync_window": self.sync_window, "dropped": dict(self.dropped)}
+              "sync_window": self.sync_window, "dropped": dict(self.dropped),
+              "filtered": dict(self.filtered)}

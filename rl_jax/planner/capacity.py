@@ -151,8 +151,11 @@ def turn_model(cfg, *, turns_per_episode, kind: str = "geometric",
 def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_cfg, params: int,
              device: DeviceSpec, num_steps: int, max_staleness: int | None = None,
              max_inflight_groups: int | None = None, length_scale: float = 1.0,
-             verifier_scale: float = 1.0, turns: TurnModel | None = None) -> Scenario:
-  """The simulation input for `cfg` on `layout`; see the module docstring for priors."""
+             verifier_scale: float = 1.0, turns: TurnModel | None = None,
+             uniform_rate: float | None = None) -> Scenario:
+  """The simulation input for `cfg` on `layout`; see the module docstring for priors.
+  uniform_rate: share of groups whose rewards are all equal (None: the profile's, else 0);
+  filtered when rl.filter_groups="zero_variance"."""
   rl, s = cfg.rl, cfg.sampler
   t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
   staleness = rl.max_staleness if max_staleness is None else max_staleness
@@ -205,6 +208,8 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
   trainer_dp = max(layout.trainer_devices // t_t, 1)
   if turns is None and profile is not None:
     turns = profile.turns
+  if uniform_rate is None:
+    uniform_rate = profile.uniform_rate if profile is not None else 0.0
   from rl_jax.sampler.engine import resolve_steps_per_call
   return Scenario(
       mode=rl.mode, groups_per_step=int(rl.groups_per_step), group_size=int(rl.group_size),
@@ -221,7 +226,9 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       seed=int(cfg.seed),
       turns=turns, max_live_sequences=replicas * live if turns is not None else 0,
       sampler_share=profile.sampler_share if profile is not None else 1.0,
-      trainer_share=profile.trainer_share if profile is not None else 1.0)
+      trainer_share=profile.trainer_share if profile is not None else 1.0,
+      filter_groups=str(getattr(rl, "filter_groups", "none")),
+      max_oversample=int(getattr(rl, "max_oversample", 4)), uniform_rate=float(uniform_rate))
 
 
 def pilot_layout(cfg) -> Layout:
@@ -284,7 +291,8 @@ def check_layout(cfg, *, layout: Layout, model_cfg, params: int,
 def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: int,
              profile, model_cfg, params: int, device: DeviceSpec, memory_gib: float,
              num_steps: int, max_discard_rate: float, length_scale: float = 1.0,
-             verifier_scale: float = 1.0, turns: TurnModel | None = None) -> Candidate:
+             verifier_scale: float = 1.0, turns: TurnModel | None = None,
+             uniform_rate: float | None = None) -> Candidate:
   """Checks one candidate and, when it can run, simulates it."""
   mem, reason = check_layout(cfg, layout=layout, model_cfg=model_cfg, params=params,
                              memory_gib=memory_gib)
@@ -302,7 +310,7 @@ def evaluate(cfg, *, layout: Layout, max_staleness: int, max_inflight_groups: in
                            params=params, device=device, num_steps=num_steps,
                            max_staleness=max_staleness, max_inflight_groups=max_inflight_groups,
                            length_scale=length_scale, verifier_scale=verifier_scale,
-                           turns=turns)
+                           turns=turns, uniform_rate=uniform_rate)
   if cand.scenario.decode_slots < 1:
     cand.rejected = "the KV pool cannot hold one full-length sequence"
     return cand
@@ -330,7 +338,7 @@ def recommend(cands: list[Candidate], *, tolerance: float = 0.02) -> Candidate |
 def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"],
          memory_gib: float | None = None, staleness_values=None, inflight_values=None,
          max_discard_rate: float = 0.05, max_steps: int = 200,
-         turns: TurnModel | None = None) -> Plan:
+         turns: TurnModel | None = None, uniform_rate: float | None = None) -> Plan:
   """Evaluates every layout x max_staleness x max_inflight_groups, ranks, and tests the
   recommended candidate against 2x longer responses and 2x slower verification.
 
@@ -338,6 +346,9 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   groups_per_step. Layouts that fail memory or batch checks appear once. Simulated runs
   last min(rl.total_steps, max_steps) optimizer steps. `turns`: tool-using episodes
   (turn_model), else single-turn rollouts (or the profile's fitted turns).
+  `uniform_rate`: share of verified groups whose rewards are all equal (None: the
+  profile's measured share, else 0); with rl.filter_groups="zero_variance" the simulated
+  sampler samples that many more groups per step and trains on the informative ones.
   """
   rl = cfg.rl
   if devices < 1:
@@ -363,7 +374,7 @@ def plan(cfg, *, devices: int, profile=None, device: DeviceSpec = DEVICES["h200"
   memory_gib = memory_gib or device.memory_gib
   common = dict(profile=profile, model_cfg=model_cfg, params=params, device=device,
                 memory_gib=memory_gib, num_steps=min(int(rl.total_steps), max_steps),
-                max_discard_rate=max_discard_rate, turns=turns)
+                max_discard_rate=max_discard_rate, turns=turns, uniform_rate=uniform_rate)
   checked = [(lay, *check_layout(cfg, layout=lay, model_cfg=model_cfg, params=params,
                                  memory_gib=memory_gib)) for lay in options]
   cands = [Candidate(layout=lay, max_staleness=settings[0][0],

@@ -34,6 +34,10 @@ class Prediction:
   # of the tool pool's worker time in use.
   parked_mean: float = 0.0
   tool_busy_frac: float = 0.0
+  # Dynamic sampling: groups filtered for zero reward variance, and groups sampled
+  # (admitted) per group trained.
+  groups_filtered: int = 0
+  sampled_per_trained: float = 1.0
 
 
 def diagnose(pred: Prediction, scenario) -> str:

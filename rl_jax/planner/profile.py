@@ -94,6 +94,7 @@ class Profile:
   # sampler and trainer models above are alone speeds.
   sampler_share: float = 1.0
   trainer_share: float = 1.0
+  uniform_rate: float = 0.0  # share of verified groups whose rewards were all equal
 
 
 def load_pilot(workdir: str, *, flag: str = "--profile", cfg=None) -> Pilot:
@@ -450,7 +451,27 @@ def fit_profile(pilot: Pilot, *, scaling_efficiency: float = 0.9) -> Profile:
                  sampler_tensor=int(cfg.mesh.sampler.get("tensor", 1)), notes=notes,
                  needs_calibration=needs_calibration, turns=turns,
                  sampler_share=contention.sampler_share,
-                 trainer_share=contention.trainer_share)
+                 trainer_share=contention.trainer_share,
+                 uniform_rate=fit_uniform_rate(pilot, notes))
+
+
+def fit_uniform_rate(pilot: Pilot, notes: list[str]) -> float:
+  """Share of verified groups whose rewards were all equal. A pilot that filtered counts
+  them (filtered + trained uniform over completed groups); one that did not logs the
+  trained batch's zero-variance groups per step (optim/zero_var_groups)."""
+  s = pilot.summary
+  if getattr(pilot.cfg.rl, "filter_groups", "none") != "none" and s.get("groups_completed"):
+    rate = ((s.get("groups_filtered_zero_variance", 0) + s.get("groups_uniform_capped", 0))
+            / s["groups_completed"])
+  else:
+    _, win = window(pilot.rows)
+    counts = [r["optim/zero_var_groups"] for r in win if "optim/zero_var_groups" in r]
+    if not counts:
+      return 0.0
+    rate = float(np.mean(counts)) / pilot.cfg.rl.groups_per_step
+  notes.append(f"groups with all rewards equal: {100 * rate:.0f}% of those verified "
+               f"(filtered with rl.filter_groups=zero_variance)")
+  return float(rate)
 
 
 def fit_turns(pilot: Pilot, notes: list[str]) -> TurnModel | None:

@@ -54,6 +54,10 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  tool use: {best.scenario.turns.mean_turns:.2g} turns per episode; mean "
                  f"parked sequences {p.parked_mean:.1f} (KV held, slot free); tool pool "
                  f"busy {100 * p.tool_busy_frac:.0f}%")
+  if p.groups_filtered:
+    lines.append(f"  dynamic sampling: {100 * best.scenario.uniform_rate:.0f}% of groups "
+                 f"uniform, {p.groups_filtered} filtered; {p.sampled_per_trained:.2f} groups "
+                 f"sampled per group trained")
   for s in plan.sensitivity:
     c = s["candidate"]
     if c.prediction is None:

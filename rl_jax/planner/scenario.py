@@ -44,10 +44,16 @@ class Scenario:
   # Contention (rl_jax.planner.contention): speed of each role while the other is busy.
   sampler_share: float = 1.0
   trainer_share: float = 1.0
+  # Dynamic sampling: rl.filter_groups, rl.max_oversample, and the share of verified
+  # groups whose rewards are all equal (measured from a pilot or given to plan.py).
+  filter_groups: str = "none"
+  max_oversample: int = 4
+  uniform_rate: float = 0.0
 
   @property
   def policy(self) -> StalenessPolicy:
     return StalenessPolicy.make(
         mode=self.mode, groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
         max_inflight_groups=self.max_inflight_groups, queue_maxsize=self.queue_maxsize,
-        weight_sync_every=self.weight_sync_every)
+        weight_sync_every=self.weight_sync_every, filter_groups=self.filter_groups,
+        max_oversample=self.max_oversample)

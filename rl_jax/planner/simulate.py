@@ -27,6 +27,11 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               An idle sampler swaps at once.
   verifying   a finished rollout joins the verifier pool (workers servers, FIFO); a group
               enters the queue when all G rollouts are verified.
+  filtering   with Scenario.uniform_rate > 0 a verified group's rewards are all equal with
+              that probability; StalenessPolicy.filters (the run's rule and per-step
+              budget) decides whether it is filtered: not queued, its credit returned at
+              once, and in sync mode replaced (at the same version) once the round's
+              groups are all verified. The trainer's batch is the informative groups.
   training    the trainer takes groups in queue order, discards those the policy does not
               accept (staleness = trainer_version - min version > bound), trains on
               groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then,
@@ -152,6 +157,9 @@ class _Sim:
     self.row_latency_s: list[float] = []
     self.decode_steps = 0
     self.shapes: set[int] = set()  # train-step batch shapes compiled so far
+    self.filtered = 0  # groups filtered for zero reward variance
+    self.filter_window = [0, 0]  # optimizer steps done, groups filtered filling that step
+    self.to_replace = 0  # sync: filtered groups of the round, replaced once it is verified
 
   # -- sampler ---------------------------------------------------------------------
 
@@ -179,6 +187,9 @@ class _Sim:
                                       trainer_version=self.version)
 
   def _admit(self, now: float) -> None:
+    if self.to_replace and self.inflight == 0:  # the round is verified (sample_worker.admit)
+      self.admitted -= self.to_replace
+      self.to_replace = 0
     while self._can_admit():
       self._admit_one(now)
 
@@ -374,10 +385,33 @@ class _Sim:
     if group.verified == self.sc.group_size:
       self._note_change(now)
       self.inflight -= 1
+      if self._filters():
+        del self.groups[gid]
+        self._poke(now)  # admission credit returned
+        return
       self.queue.append(gid)
       self.q_max = max(self.q_max, len(self.queue))
       if not self.trainer_busy:
         self._pull(now)
+
+  def _filters(self) -> bool:
+    """Whether a verified group is filtered: uniform with Scenario.uniform_rate (drawn
+    only when filtering is on and the rate > 0, so other scenarios keep their random
+    stream), then the policy's rule and budget."""
+    sc = self.sc
+    if sc.uniform_rate <= 0 or not self.policy.filter_zero_variance:
+      return False
+    uniform = self.rng.random() < sc.uniform_rate
+    if self.filter_window[0] != self.step:
+      self.filter_window = [self.step, 0]
+    rewards = [0.0] * sc.group_size if uniform else [0.0, 1.0]
+    if not self.policy.filters(rewards, self.filter_window[1]):
+      return False
+    self.filter_window[1] += 1
+    self.filtered += 1
+    if self.policy.sync:
+      self.to_replace += 1
+    return True
 
   # -- trainer -----------------------------------------------------------------------
 
@@ -479,6 +513,7 @@ class _Sim:
         "staleness/max": int(np.max(self.batch_staleness)),
         "staleness/discarded": self.discarded_groups,
         "staleness/accepted": self.accepted_groups,
+        "data/groups_filtered_zero_variance": self.filtered,
         "weight_sync/duration_s": published_s,
         "weight_sync/version": self.version,
         "sampler/active_slots": len(self.rem),
@@ -552,7 +587,9 @@ class _Sim:
         weight_sync_frac=self.sync_busy_s / wall,
         rows=self.rows, parked_mean=self.parked_area / wall,
         tool_busy_frac=(self.tools.service_total_s / (sc.turns.tool.workers * wall)
-                        if self.tools is not None else 0.0))
+                        if self.tools is not None else 0.0),
+        groups_filtered=self.filtered,
+        sampled_per_trained=self.next_gid / max(self.accepted_groups, 1))
 
 
 def simulate(scenario: Scenario) -> Prediction:

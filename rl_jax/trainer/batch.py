@@ -105,10 +105,13 @@ def _pack(prompts, completions, behavior, versions, *, pad_id, length_buckets,
 
 def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Sequence[int],
                      std_normalize: bool, batch_multiple: int = 1,
-                     eps: float = 1e-6) -> TrainBatch:
+                     eps: float = 1e-6, mask_truncated: bool = False) -> TrainBatch:
   """A GRPO batch: rows in group order, advantages from `grpo.group_advantages` per group.
 
   Groups may have different sizes (advantages are computed within each group).
+  mask_truncated (rl.overlong="mask"): rollouts cut at the length limit (finish_reason
+  "length") keep their row but get an all-False loss mask, so they are out of the loss,
+  KL and entropy while their rewards still count in their group's advantages.
   """
   rollouts = [r for g in groups for r in g.rollouts]
   for r in rollouts:
@@ -128,7 +131,8 @@ def make_train_batch(groups: Sequence[Group], *, pad_id: int, length_buckets: Se
       [r.prompt_tokens for r in rollouts], [r.completion_tokens for r in rollouts],
       [r.behavior_logprobs for r in rollouts], [r.token_versions for r in rollouts],
       pad_id=pad_id, length_buckets=length_buckets, batch_multiple=batch_multiple,
-      masks=[r.model_mask for r in rollouts])
+      masks=[np.zeros(r.num_tokens, bool) if mask_truncated and r.finish_reason == "length"
+             else r.model_mask for r in rollouts])
   b = tokens_bt.shape[0]
   advantages_b = np.zeros((b,), np.float32)
   advantages_b[:len(rollouts)] = advantages

@@ -90,6 +90,25 @@ def count_sequences(*, mask_bt: jax.Array, seg_bt: jax.Array | None = None) -> j
   return (first_bt & (segment_total(m_bt, seg_bt) > 0)).sum().astype(jnp.float32)
 
 
+def overlong_penalty(*, lengths_b: np.ndarray, max_len: int, buffer: int) -> np.ndarray:
+  """DAPO's soft overlong punishment, added to the reward (rl.overlong="penalty").
+
+  For completion length L, limit L_max (sampler.max_new_tokens) and buffer B
+  (rl.overlong_buffer, 1 <= B <= L_max):
+
+    penalty(L) = 0                       L <= L_max - B
+                 ((L_max - B) - L) / B   L_max - B < L <= L_max   (from 0 down to -1)
+                 -1                      L > L_max
+
+  lengths_b int [b] -> float32 [b]. Host-side numpy, like `group_advantages`.
+  """
+  lengths = np.asarray(lengths_b, np.float64)
+  start = float(max_len - buffer)
+  ramp = (start - lengths) / float(buffer)
+  out = np.where(lengths <= start, 0.0, np.where(lengths <= max_len, ramp, -1.0))
+  return out.astype(np.float32)
+
+
 def loss_weights(*, mask_bt: jax.Array, loss_agg: str, max_len: int,
                  num_tokens: jax.Array | None = None,
                  num_seqs: jax.Array | None = None,

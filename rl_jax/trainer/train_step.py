@@ -425,11 +425,12 @@ class Trainer:
     self._traces["logprobs"] += 1
     return self._chunked_logprobs(params, rows)
 
-  def make_train_batch(self, groups: Sequence[Group]) -> TrainBatch:
+  def make_train_batch(self, groups: Sequence[Group], *, mask_truncated: bool = False
+                       ) -> TrainBatch:
     return make_train_batch(groups, pad_id=self.model_cfg.pad_id,
                             length_buckets=self.cfg.length_buckets,
                             std_normalize=bool(self.cfg.std_normalize),
-                            batch_multiple=self.batch_multiple)
+                            batch_multiple=self.batch_multiple, mask_truncated=mask_truncated)
 
   def make_sft_batch(self, prompts_tokens, completions_tokens,
                      completion_masks=None) -> TrainBatch:

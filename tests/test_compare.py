@@ -1,0 +1,104 @@
+"""launch/compare.py --seeds: each mode over N seeds, one run after another, median and
+range in the headline, every seed's curve in the plot (train.py stubbed: no runs)."""
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from rl_jax import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_compare():
+  spec = importlib.util.spec_from_file_location(
+      "compare_cli", os.path.join(ROOT, "launch", "compare.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _fake_train(calls):
+  """A train.py stand-in: writes a summary whose curve depends on mode and seed. Sync
+  reaches 0.5 + 0.1 * (seed - 7) at 30 s per evaluation, async at 10 s per evaluation."""
+  def train(cmd):
+    arg = dict(a.split("=", 1) for a in cmd if a.startswith("--config.") and "=" in a)
+    workdir = cmd[cmd.index("--workdir") + 1]
+    mode, seed = arg["--config.rl.mode"], int(arg["--config.seed"])
+    calls.append((mode, seed))
+    dt = 30.0 if mode == "sync" else 10.0
+    top = 0.5 + 0.1 * (seed - 7)
+    curve = [[0.0, 0, 0.2]] + [[dt * k, k, top] for k in (1, 2, 3)]
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({"mode": mode, "heldout_curve": curve, "staleness_histogram": {"0": 4},
+                 "wall_time_s": curve[-1][0], "timeline": {}}, f)
+    return 0
+  return train
+
+
+def test_seeds_run_one_after_another_and_report_median_and_range(tmp_path, capsys):
+  compare = _load_compare()
+  calls = []
+  compare._train = _fake_train(calls)
+  plot = tmp_path / "seeds.png"
+  status = compare.main(["--config", os.path.join(ROOT, "configs/default.py"),
+                         "--config.seed=7", "--workdir", str(tmp_path / "runs"), "--seeds",
+                         "3", "--plot", str(plot)])
+  assert status == 0
+  assert calls == [("sync", 7), ("sync", 8), ("sync", 9), ("async", 7), ("async", 8),
+                   ("async", 9)]
+  out = capsys.readouterr().out
+  # Finals 0.5, 0.6, 0.7 in both modes (the same seed's): target = median 0.6, which seed
+  # 7 never reaches (inf); sync reaches it at 30 s (seeds 8, 9), async at 10 s.
+  assert ("over 3 seeds, median [min, max]: time to target (held-out reward 0.600, sync's "
+          "median final) sync 30 [30, inf]s (1 of 3 never reached it), async 10 [10, inf]s "
+          "(1 of 3 never reached it), median speedup 3.00x; final held-out (mean of last 3 "
+          "evaluations) sync 0.6 [0.5, 0.7], async 0.6 [0.5, 0.7]") in out
+  assert os.path.getsize(plot) > 1000
+  page = open(tmp_path / "runs" / "report.html").read()
+  assert all(f"<th>{m}_seed{s}</th>" in page for m in ("sync", "async") for s in (7, 8, 9))
+  # --report-only rebuilds the same headline from the runs already there.
+  calls.clear()
+  assert compare.main(["--config", os.path.join(ROOT, "configs/default.py"),
+                       "--config.seed=7", "--workdir", str(tmp_path / "runs"), "--seeds",
+                       "3", "--report-only"]) == 0
+  assert calls == [] and "median speedup 3.00x" in capsys.readouterr().out
+
+
+def test_seeds_headline_against_numpy():
+  rng = np.random.default_rng(0)
+  runs = {}
+  for mode in ("sync", "async"):
+    runs[mode] = []
+    for _ in range(5):
+      t = np.cumsum(rng.uniform(5, 15, 6))
+      r = np.sort(rng.uniform(0.2, 0.9, 6))
+      runs[mode].append({"heldout_curve": [[float(a), k, float(b)]
+                                           for k, (a, b) in enumerate(zip(t, r))]})
+  finals = {m: [np.mean([c[2] for c in s["heldout_curve"][-3:]]) for s in runs[m]]
+            for m in runs}
+  target = np.median(finals["sync"])
+
+  def first(curve):
+    hit = [c[0] for c in curve if c[2] >= target - 1e-9]
+    return hit[0] if hit else np.inf
+  times = {m: [first(s["heldout_curve"]) for s in runs[m]] for m in runs}
+  line = report.seeds_headline(runs)
+  assert f"held-out reward {target:.3f}" in line
+  for m in runs:
+    t = np.asarray(times[m])
+    assert f"{m} {np.median(t):.3g} [{t.min():.3g}, {t.max():.3g}]s" in line
+    f = np.asarray(finals[m])
+    assert f"{m} {np.median(f):.3g} [{f.min():.3g}, {f.max():.3g}]" in line
+  speedup = np.median(times["sync"]) / np.median(times["async"])
+  assert f"median speedup {speedup:.2f}x" in line
+
+
+def test_seeds_must_be_positive(tmp_path, capsys):
+  compare = _load_compare()
+  assert compare.main(["--config", os.path.join(ROOT, "configs/default.py"),
+                       "--workdir", str(tmp_path), "--seeds", "0"]) != 0
+  assert "--seeds must be >= 1" in capsys.readouterr().err
