@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.model import transformer as tfm
+from rl_jax.model.presets import resolve_dtype  # the one dtype-auto rule (re-exported)
 from rl_jax.sampler import decode, extend
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill_lane as prefill_lane_lib
@@ -61,15 +62,6 @@ from rl_jax.sampler.sampling import sample_tokens  # noqa: F401  (re-exported)
 
 _LAYER_POOL_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
 _PREFIX_AXES = ("layers", "kv_heads", "length", "head_dim")
-
-
-def resolve_dtype(name: str, backend: str | None = None) -> str:
-  """Sampler weight / KV dtype: "auto" is bfloat16 on GPU and TPU (half the bytes a
-  memory-bound decode step reads) and float32 on CPU (where bf16 arithmetic is
-  emulated and slower); any other name is returned as is."""
-  if name != "auto":
-    return name
-  return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
 
 
 # sampler.steps_per_call "auto": 8 on accelerators, where one call per token would pay a
