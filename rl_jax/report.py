@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import textwrap
 from typing import Sequence
 
 import numpy as np
@@ -105,7 +106,6 @@ def plot_seeds(runs: dict[str, list[dict]], path: str, *, title: str, note: str 
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import textwrap
 
   check_plot_path(path)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -115,16 +115,7 @@ def plot_seeds(runs: dict[str, list[dict]], path: str, *, title: str, note: str 
       c = np.asarray(run["summary"]["heldout_curve"], float)
       ax.plot(c[:, 0], c[:, 2], marker=".", color=f"C{i}", alpha=0.75,
               label=f"{mode} ({len(seeds)} seeds)" if k == 0 else None)
-  ax.set_xlabel("pipeline wall time (s)")
-  ax.set_ylabel("held-out reward (greedy)")
-  ax.set_title(title)
-  ax.legend()
-  if note:
-    fig.text(0.5, 0.01, "\n".join(textwrap.wrap(note, 90)), ha="center", va="bottom",
-             fontsize=7)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-  else:
-    fig.tight_layout()
+  _heldout_axes(fig, ax, title, note, bottom=0.1)
   fig.savefig(path, dpi=90)
   plt.close(fig)
   return path
@@ -146,18 +137,23 @@ def _heldout_figure(runs: list[dict], plt, title: str = "Held-out reward vs wall
   for run in runs:
     c = np.asarray(run["summary"]["heldout_curve"], float)
     ax.plot(c[:, 0], c[:, 2], marker="o", label=run["name"])
+  _heldout_axes(fig, ax, title, note, bottom=0.08)
+  return fig
+
+
+def _heldout_axes(fig, ax, title: str, note: str, *, bottom: float):
+  """Axis labels, title and legend of a held-out reward plot; `note` wrapped under the
+  axes in the bottom `bottom` of the figure."""
   ax.set_xlabel("pipeline wall time (s)")
   ax.set_ylabel("held-out reward (greedy)")
   ax.set_title(title)
   ax.legend()
   if note:
-    import textwrap
     fig.text(0.5, 0.01, "\n".join(textwrap.wrap(note, 90)), ha="center", va="bottom",
              fontsize=7)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 1))
   else:
     fig.tight_layout()
-  return fig
 
 
 def check_plot_path(path: str) -> None:
