@@ -10,6 +10,7 @@ import pytest
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.sampler import engine as E
+from rl_jax.sampler import prefill as prefill_lib
 from rl_jax.sampler import extend as X
 from rl_jax.sampler import generator as G
 from rl_jax.sampler import page_table as pt
@@ -439,7 +440,8 @@ def test_page_accounting_with_waits_ends_aborts_and_preemption(engine, params):
 
 @functools.lru_cache(maxsize=None)
 def _prompt_kv_fn():
-  return jax.jit(functools.partial(E._prompt_kv, model_cfg=CFG.replace(attention="jnp"),
+  return jax.jit(functools.partial(prefill_lib.prompt_kv,
+                                   model_cfg=CFG.replace(attention="jnp"),
                                    kv_dtype=jnp.float32))
 
 

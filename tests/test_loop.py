@@ -212,7 +212,9 @@ def test_verifier_errors_drop_the_group_and_count_it(tmp_path, mode):
                                         summary["groups_in_flight_at_end"])
   assert summary["rollouts_in_flight_at_end"] >= 0
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert rows[-2]["data/groups_dropped_verifier_error"] == dropped
+  # The last step's row counts the drops up to that step; in async mode a group can still
+  # be dropped between that row and the workers' stop, which only the summary counts.
+  assert 0 < rows[-2]["data/groups_dropped_verifier_error"] <= dropped
   # The held-out set and the prompt stream report their truncated prompts.
   assert summary["prompts_truncated"] > 0 and summary["heldout_prompts_truncated"] > 0
   assert summary["prompts_dropped"] == summary["heldout_prompts_dropped"] == 0

@@ -56,10 +56,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -67,58 +66,11 @@ from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import turns as turns_lib
 from rl_jax.sampler import updates
+from rl_jax.sampler.sequences import GroupState, InflightCall, SeqState
 from rl_jax.sampler.turns import Turn  # noqa: F401  (part of the Generator's API)
 from rl_jax.types import Rollout
 
 _REASONS = {engine_lib.FINISH_STOP: "stop", engine_lib.FINISH_LENGTH: "length"}
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-  group_id: int
-  prompt: np.ndarray
-  num_samples: int
-  seed: int
-  sampling: engine_lib.Sampling
-  max_new_tokens: int
-  stop_on_eos: bool
-  admitted: float
-  order: int
-  waiting: collections.deque  # sample indices not running and not finished
-  num_full: int  # prompt pages every sample shares
-  partial: bool  # the cached prompt ends inside a page
-  prefix_pages: np.ndarray | None = None  # the group's own references, while it has waiting samples
-  running: int = 0
-  done: int = 0
-  turn_end: Callable[[np.ndarray], int | None] | None = None  # multi-turn episodes (turns.py)
-  attempts: list | None = None  # per sample: restarts from the prompt (turn_end groups)
-  parked: int = 0  # samples parked at a tool call or resuming
-
-
-@dataclasses.dataclass(eq=False)
-class _Seq:
-  group: _Group
-  sample_index: int
-  slot: int
-  pages: list
-  length: int  # tokens in the cache
-  cache_limit: int  # the cache never holds more: cached prompt + max_new (every decode
-  # input is cached, the last sampled token is not, and the first input is the last
-  # prompt token)
-  tokens: list = dataclasses.field(default_factory=list)
-  logprobs: list = dataclasses.field(default_factory=list)
-  versions: list = dataclasses.field(default_factory=list)
-  first_token: float = 0.0
-  turn: turns_lib.TurnState | None = None  # episode state (turn_end groups only)
-  run: int = 0  # bumped when the sequence parks: calls dispatched before carry void tokens
-
-
-class _Call(NamedTuple):
-  """A generate call on the device whose tokens the host has not read yet."""
-  out: Any  # packed outputs (updates.unpack_output)
-  version: int  # the weights it decodes with
-  busy: list  # [(slot, sequence, sequence.run)] of the slots it decodes
-  seqs: set  # those sequences
 
 
 def _move_pools(src, dst):
@@ -150,14 +102,14 @@ class Generator(turns_lib.TurnsMixin):
     # Slot / page-table updates of this pass, applied by the next generate call.
     self._pending = updates.Pending(engine.max_concurrent_decodes, engine.prefill_lane)
     self.allocator = pt.PageAllocator(num_pages=engine.num_pages, page_size=engine.page_size)
-    self._groups: list[_Group] = []  # unfinished groups, oldest first
+    self._groups: list[GroupState] = []  # unfinished groups, oldest first
     self._group_ids: set[int] = set()
-    self._slots: list[_Seq | None] = [None] * engine.max_concurrent_decodes
+    self._slots: list[SeqState | None] = [None] * engine.max_concurrent_decodes
     self._order = 0
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
-    self._inflight: _Call | None = None  # the generate call on the device (see _launch)
-    self._ending: set[_Seq] = set()  # sequences that end in that call (see _release_ending)
+    self._inflight: InflightCall | None = None  # the generate call on the device (see _launch)
+    self._ending: set[SeqState] = set()  # sequences that end in that call (see _release_ending)
     self.tokens_generated = 0
     self.rollouts_finished = 0
     self.preemptions = 0
@@ -243,7 +195,7 @@ class Generator(turns_lib.TurnsMixin):
           f"with all {num_samples} samples running, the pool has {self.allocator.capacity}: "
           "raise sampler.num_pages / kv_cache_bytes or lower max_new_tokens")
     self._order += 1
-    self._groups.append(_Group(
+    self._groups.append(GroupState(
         group_id=group_id, prompt=prompt, num_samples=int(num_samples), seed=int(seed),
         sampling=self.sampling if sampling is None else sampling, max_new_tokens=max_new,
         stop_on_eos=bool(stop_on_eos), admitted=self._clock(), order=self._order,
@@ -301,7 +253,7 @@ class Generator(turns_lib.TurnsMixin):
     out.extend(self._abort_parked(now))
     for g in list(self._groups):
       while g.waiting:
-        empty = _Seq(group=g, sample_index=g.waiting.popleft(), slot=-1, pages=[], length=0,
+        empty = SeqState(group=g, sample_index=g.waiting.popleft(), slot=-1, pages=[], length=0,
                      cache_limit=0)
         out.append(self._rollout(empty, "aborted", now))
         g.done += 1
@@ -365,7 +317,7 @@ class Generator(turns_lib.TurnsMixin):
     self.busy_s += time.perf_counter() - t0
     return finished
 
-  def _launch(self) -> _Call:
+  def _launch(self) -> InflightCall:
     """Dispatch this pass's generate call (no wait)."""
     num_slots = self._compact()
     busy = [(b, s, s.run) for b, s in enumerate(self._slots) if s is not None]
@@ -377,7 +329,7 @@ class Generator(turns_lib.TurnsMixin):
         live=self._live_pages())
     self.generate_calls += 1
     self.slot_steps += num_slots * self.engine.steps_per_call
-    return _Call(out, self._version, busy, {s for _, s, _ in busy})
+    return InflightCall(out, self._version, busy, {s for _, s, _ in busy})
 
   def _release_ending(self) -> None:
     """Free the slot and pages of each sequence whose budget runs out in the call in
@@ -450,7 +402,7 @@ class Generator(turns_lib.TurnsMixin):
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
         alloc.share(shared)
-        seq = _Seq(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
+        seq = SeqState(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
                    pages=[int(p) for p in shared] + [int(p) for p in private],
                    length=cached, cache_limit=cached + g.max_new_tokens)
         if g.turn_end is not None:
@@ -482,7 +434,7 @@ class Generator(turns_lib.TurnsMixin):
     for g in exhausted:
       self._release_prefix(g)
 
-  def _call_positions(self, seq: _Seq) -> int:
+  def _call_positions(self, seq: SeqState) -> int:
     """Positions `seq`'s cache may hold after the next generate call (and the call in
     flight, whose tokens the host has not seen yet)."""
     calls = 1 + (self._inflight is not None and seq in self._inflight.seqs)
@@ -499,18 +451,18 @@ class Generator(turns_lib.TurnsMixin):
     cols = np.concatenate([np.arange(n) for n in counts])
     return slots, cols
 
-  def _pages_short(self, seq: _Seq) -> int:
+  def _pages_short(self, seq: SeqState) -> int:
     """Pages `seq` lacks for the tokens its next generate call may cache."""
     need = pt.pages_for(self._call_positions(seq), self.engine.page_size)
     return max(need - len(seq.pages), 0)
 
-  def _prefill(self, g: _Group, batch: list) -> None:
+  def _prefill(self, g: GroupState, batch: list) -> None:
     """Take the group's prompt pages; its prompt joins `batch`, prefilled in one call."""
     g.prefix_pages = self.allocator.allocate(g.num_full + g.partial)
     if g.prefix_pages.size:  # a one-token prompt caches nothing: its token is the first input
       batch.append(g)
 
-  def _release_prefix(self, g: _Group) -> None:
+  def _release_prefix(self, g: GroupState) -> None:
     if g.prefix_pages is not None:
       self.allocator.release(g.prefix_pages)
       g.prefix_pages = None
@@ -552,7 +504,7 @@ class Generator(turns_lib.TurnsMixin):
         seq.slot, self._slots[dst], self._slots[src] = dst, seq, None
     return want
 
-  def _preempt(self, g: _Group) -> None:
+  def _preempt(self, g: GroupState) -> None:
     """Drop the group's running and parked samples (they restart from the prompt, under
     a new attempt) and its pages."""
     seqs = [s for s in self._slots if s is not None and s.group is g]
@@ -614,7 +566,7 @@ class Generator(turns_lib.TurnsMixin):
       self._pending.free(b)
     return finished
 
-  def _end(self, seq: _Seq, reason: str, now: float) -> Rollout:
+  def _end(self, seq: SeqState, reason: str, now: float) -> Rollout:
     """Free a sequence's slot and pages (its slot is already idle on device), unless
     _release_ending did."""
     g = seq.group
@@ -629,11 +581,11 @@ class Generator(turns_lib.TurnsMixin):
       self._retire(g)
     return self._rollout(seq, reason, now)
 
-  def _retire(self, g: _Group) -> None:
+  def _retire(self, g: GroupState) -> None:
     self._groups.remove(g)
     self._group_ids.discard(g.group_id)
 
-  def _rollout(self, seq: _Seq, reason: str, now: float) -> Rollout:
+  def _rollout(self, seq: SeqState, reason: str, now: float) -> Rollout:
     self.rollouts_finished += 1
     g = seq.group
     return Rollout(
