@@ -109,13 +109,13 @@ def plot_seeds(runs: dict[str, list[dict]], path: str, *, title: str, note: str 
 
   check_plot_path(path)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig, ax = plt.subplots(figsize=(6, 4.6 if note else 4))
+  fig, ax = plt.subplots(figsize=(6, 4))
   for i, (mode, seeds) in enumerate(runs.items()):
     for k, run in enumerate(seeds):
       c = np.asarray(run["summary"]["heldout_curve"], float)
       ax.plot(c[:, 0], c[:, 2], marker=".", color=f"C{i}", alpha=0.75,
               label=f"{mode} ({len(seeds)} seeds)" if k == 0 else None)
-  _heldout_axes(fig, ax, title, note, bottom=0.1)
+  _heldout_axes(fig, ax, title, note)
   fig.savefig(path, dpi=90)
   plt.close(fig)
   return path
@@ -133,25 +133,27 @@ def _heldout_figure(runs: list[dict], plt, title: str = "Held-out reward vs wall
                     note: str = ""):
   """Held-out reward (greedy) against pipeline wall time, one line per run; `note`
   (e.g. compare.py's headline) is wrapped under the axes."""
-  fig, ax = plt.subplots(figsize=(6, 4.4 if note else 4))
+  fig, ax = plt.subplots(figsize=(6, 4))
   for run in runs:
     c = np.asarray(run["summary"]["heldout_curve"], float)
     ax.plot(c[:, 0], c[:, 2], marker="o", label=run["name"])
-  _heldout_axes(fig, ax, title, note, bottom=0.08)
+  _heldout_axes(fig, ax, title, note)
   return fig
 
 
-def _heldout_axes(fig, ax, title: str, note: str, *, bottom: float):
+def _heldout_axes(fig, ax, title: str, note: str):
   """Axis labels, title and legend of a held-out reward plot; `note` wrapped under the
-  axes in the bottom `bottom` of the figure."""
+  axes, the figure made taller by its lines."""
   ax.set_xlabel("pipeline wall time (s)")
   ax.set_ylabel("held-out reward (greedy)")
   ax.set_title(title)
-  ax.legend()
+  ax.legend(fontsize=8)
   if note:
-    fig.text(0.5, 0.01, "\n".join(textwrap.wrap(note, 90)), ha="center", va="bottom",
-             fontsize=7)
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    lines = [w for part in note.split("\n") for w in textwrap.wrap(part, 100)]
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width, height + 0.12 * len(lines))
+    fig.text(0.5, 0.01, "\n".join(lines), ha="center", va="bottom", fontsize=7)
+    fig.tight_layout(rect=(0, (0.15 + 0.12 * len(lines)) / (height + 0.12 * len(lines)), 1, 1))
   else:
     fig.tight_layout()
 
