@@ -95,7 +95,8 @@ def seeds_headline(runs: dict[str, list[dict]]) -> str:
           f"reward {target:.3f}, {modes[0]}'s median final) " + ", ".join(parts))
   if len(modes) == 2:
     a, b = (float(np.median([np.inf if t is None else t for t in times[m]])) for m in modes)
-    line += f", median speedup {a / max(b, 1e-9):.2f}x"
+    if np.isfinite(a) and np.isfinite(b):
+      line += f", median speedup {a / max(b, 1e-9):.2f}x"
   return line + "; final held-out (mean of last 3 evaluations) " + ", ".join(
       f"{m} {median_range(finals[m])}" for m in modes)
 
