@@ -1,7 +1,9 @@
 """rl_jax.model.peft_io: PEFT adapters that peft loads with rl_jax's logits, the merged
 export, the key format peft itself writes, round trips and clear errors."""
+import dataclasses
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -124,3 +126,55 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
   peft_io.save_peft_adapter(str(tmp_path), cfg, _random(cfg, seed=5)[1])
   with pytest.raises(M.CheckpointError, match=r"lora_A\.weight' .* has shape \(4, 32\)"):
     peft_io.load_peft_adapter(str(tmp_path), _cfg(hidden_size=48))
+
+
+class _LoraCheckpointer:
+  """Stands in for rl_jax.checkpoint.Checkpointer on a LoRA run of `cfg` (the contract's
+  restore_lora / restore_params), so launch/export.py's wiring is tested on its own."""
+
+  def __init__(self, cfg, params, adapters):
+    self.cfg, self.params, self.adapters = cfg, params, adapters
+    self.config = {"run": {"model": {"path": ""}}, "model": {"lora_rank": cfg.lora_rank}}
+
+  def __call__(self, workdir, read_only):
+    return self
+
+  def steps(self):
+    return [3, 5]
+
+  def read_json(self, step, item):
+    return self.config
+
+  def restore_lora(self, step):
+    return 5, self.cfg, self.params, self.adapters, self.config
+
+  def restore_params(self, step):
+    return 5, lora.merge_params(self.cfg, self.params, self.adapters), self.config
+
+
+def test_export_of_a_lora_run_loads_in_peft_and_merged(tmp_path, monkeypatch, capsys):
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
+  import export  # launch/export.py
+  from rl_jax import checkpoint
+  cfg = _cfg(qkv_bias=False, lora_targets=("q", "o", "up"))
+  params, adapters = _random(cfg, seed=6)
+  fake = _LoraCheckpointer(cfg, params, adapters)
+  fake.config["model"] = dataclasses.asdict(cfg)
+  monkeypatch.setattr(checkpoint, "Checkpointer", fake)
+  out, merged_out = str(tmp_path / "adapter"), str(tmp_path / "merged")
+  assert export.main(["--workdir", "w", "--out", out]) == 0
+  assert export.main(["--workdir", "w", "--out", merged_out, "--merged"]) == 0
+  assert "PEFT adapter (rank 4)" in capsys.readouterr().out
+  assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base"]
+  assert not os.path.exists(os.path.join(merged_out, peft_io.CONFIG_FILE))
+
+  tokens = np.random.RandomState(7).randint(0, cfg.vocab_size, (2, 10))
+  ours = np.asarray(jax.jit(M.apply)(cfg, params, tokens, adapters=adapters))
+  hf_base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "base"))
+  with torch.no_grad():
+    peft_logits = peft.PeftModel.from_pretrained(hf_base, out).eval()(
+        torch.tensor(tokens)).logits.numpy()
+    merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged_out).eval()(
+        torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(peft_logits, ours, atol=1e-4, rtol=0)
+  np.testing.assert_allclose(merged_logits, ours, atol=1e-4, rtol=0)
