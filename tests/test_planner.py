@@ -223,6 +223,8 @@ def test_memory_arithmetic_with_lora():
   # Trainer: the frozen bf16 base (also the KL reference: no copy), fp32 adapter master,
   # grads, AdamW mu + nu, bf16 staging: about 1/8 of full fine-tuning's state.
   assert est.trainer_bytes == (n * 2 + adapters * (4 + 4 + 8 + 2)) // 4 + 128 * 2_376_576
+  assert (est.sampler_weights_bytes, est.kv_pool_bytes, est.trainer_state_bytes) == (
+      n * 2 + 2 * (targets + adapters) * 2, 2**30, (n * 2 + adapters * 18) // 4)
   full = memory.estimate(cfg=cfg, model_cfg=presets.get_preset("qwen2_0_5b"), params=n,
                          sampler_tensor=1, trainer_devices=4, trainer_tensor=1, memory_gib=139)
   assert full.trainer_bytes == n * (4 + 4 + 8 + 2 + 2) // 4 + 128 * 2_373_888

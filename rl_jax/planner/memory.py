@@ -103,6 +103,11 @@ class MemoryEstimate:
   kv_tokens_per_replica: int
   weight_bytes_sampler: int
   activation_bytes: int
+  # Per device, before a colocated layout adds the two roles: the sampler's weights
+  # (with LoRA: base + merged targets + adapters) and KV pool, the trainer's state.
+  sampler_weights_bytes: int = 0
+  kv_pool_bytes: int = 0
+  trainer_state_bytes: int = 0
 
   @property
   def sampler_fits(self) -> bool:
@@ -133,12 +138,12 @@ def estimate(*, cfg, model_cfg, params: int, sampler_tensor: int, trainer_device
   adapter_params, target_params = lora_sizes(model_cfg)
   base_b = DTYPE_BYTES[cfg.model.param_dtype]
   if adapter_params:
-    sampler = (weights_s + 2 * (target_params + adapter_params) * sampler_b + pool)
+    held = weights_s + 2 * (target_params + adapter_params) * sampler_b
     state = params * base_b + adapter_params * (4 + 4 + 8 + sampler_b)
   else:
-    sampler = 2 * weights_s + pool
+    held = 2 * weights_s
     state = params * (4 + 4 + 8 + (base_b if cfg.trainer.kl_beta > 0 else 0) + sampler_b)
-  sampler //= sampler_tensor
+  sampler = (held + pool) // sampler_tensor
   shards = max(trainer_devices // trainer_tensor, 1)
   batch = cfg.rl.groups_per_step * cfg.rl.group_size
   rows = max(-(-(cfg.trainer.micro_batch_size or batch) // shards), 1)
@@ -147,9 +152,13 @@ def estimate(*, cfg, model_cfg, params: int, sampler_tensor: int, trainer_device
   acts = activation_bytes(model_cfg=model_cfg, rows=rows, seq_len=seq_len,
                           dtype=cfg.model.dtype, remat=model_cfg.remat == "full")
   trainer = state // trainer_devices + acts // trainer_tensor
+  parts = dict(sampler_weights_bytes=int(held // sampler_tensor),
+               kv_pool_bytes=int(pool // sampler_tensor),
+               trainer_state_bytes=int(state // trainer_devices))
   if colocated:
     sampler = trainer = sampler + trainer
   return MemoryEstimate(sampler_bytes=int(sampler), trainer_bytes=int(trainer),
                         limit_bytes=int(usable_fraction * memory_gib * 2**30),
                         kv_tokens_per_replica=int(pool // kv_tok),
-                        weight_bytes_sampler=int(weights_s), activation_bytes=int(acts))
+                        weight_bytes_sampler=int(weights_s), activation_bytes=int(acts),
+                        **parts)
