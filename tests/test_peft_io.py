@@ -12,6 +12,7 @@ import safetensors.numpy
 import torch
 import transformers
 
+import tiny_hf
 from rl_jax import model as M
 from rl_jax.model import lora, peft_io
 
@@ -178,3 +179,28 @@ def test_export_of_a_lora_run_loads_in_peft_and_merged(tmp_path, monkeypatch, ca
         torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(peft_logits, ours, atol=1e-4, rtol=0)
   np.testing.assert_allclose(merged_logits, ours, atol=1e-4, rtol=0)
+
+
+def test_an_adapter_made_by_peft_on_a_transformers_checkpoint_loads(tmp_path):
+  """The other direction, with nothing written by rl_jax: a transformers Qwen2 checkpoint
+  and a peft adapter with random A and B load into rl_jax with peft's logits."""
+  base_dir = str(tmp_path / "ckpt")
+  tiny_hf.write_checkpoint(base_dir)
+  torch.manual_seed(1)
+  hf_base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+  peft_cfg = peft.LoraConfig(r=4, lora_alpha=12, init_lora_weights=False, task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "v_proj", "o_proj", "up_proj"])
+  peft_model = peft.get_peft_model(hf_base, peft_cfg).eval()
+  peft_model.save_pretrained(str(tmp_path / "adapter"))
+
+  cfg, params = M.from_pretrained(base_dir)
+  lora_cfg, adapters = peft_io.load_peft_adapter(str(tmp_path / "adapter"), cfg)
+  assert (lora_cfg.lora_rank, lora_cfg.lora_alpha, lora_cfg.lora_targets) == (
+      4, 12.0, ("q", "v", "o", "up"))
+  assert all(np.abs(ab["b"]).max() > 0 for ab in adapters.values())
+  tokens = np.random.RandomState(8).randint(0, cfg.vocab_size, (2, 12))
+  with torch.no_grad():
+    ref = peft_model(torch.tensor(tokens)).logits.numpy()
+  ours = np.asarray(jax.jit(M.apply)(lora_cfg, params, tokens, adapters=adapters))
+  np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+  assert np.abs(ours - np.asarray(jax.jit(M.apply)(cfg, params, tokens))).max() > 1e-2
