@@ -1,6 +1,9 @@
 """LoRA training (model.lora.rank > 0): the trainer trains adapters on a frozen base
 (rl_jax/trainer/train_step.py); checkpoints hold the adapters and the base's fingerprint
 (rl_jax/checkpoint.py, rl_jax/orchestration/checkpointing.py)."""
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ from rl_jax.trainer import train_step as ts
 from test_train_step import _groups, _host, _mesh, _model_cfg, _trainer_cfg
 
 RANK, ALPHA = 2, 3.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _lora_cfg(**kw):
@@ -114,3 +118,82 @@ def test_lora_state_starts_at_the_base_and_trains_only_adapters(base0):
   # The trained policy is base + adapters: its log-probs moved off the base's.
   moved = np.asarray(trainer.logprobs(state.params, batch))
   assert np.abs(moved - got)[batch.mask_bt].max() > 1e-4
+
+
+LOOP = ["--config.rl.mode=sync", "--config.rl.total_steps=3", "--config.rl.groups_per_step=4",
+        "--config.rl.group_size=4", "--config.rl.eval_every=0", "--config.task.digits=1",
+        "--config.task.heldout_size=8", "--config.warmstart.steps=2",
+        "--config.sampler.max_concurrent_decodes=16", "--config.sampler.max_new_tokens=6",
+        "--config.trainer.length_buckets=(32,)", "--config.trainer.kl_beta=0.01",
+        "--config.metrics.console=false", "--config.metrics.tensorboard=false",
+        "--config.checkpoint.every=1", "--config.checkpoint.keep=10",
+        "--config.model.lora.rank=4", "--config.model.lora.dropout=0.1"]
+# Row entries a bitwise-identical continuation reproduces (timings and rates differ).
+EXACT = ("optim/loss", "optim/grad_norm", "optim/update_norm", "policy/kl", "policy/entropy",
+         "reward/train", "optim/tokens", "weight_sync/bytes")
+
+
+def _loop_rows(workdir):
+  import json
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: r for r in rows if "optim/loss" in r}
+
+
+def test_lora_run_resumes_exactly_and_refuses_another_base(tmp_path):
+  """A sync LoRA run (warm-up, then adapters on the warmed-up base, KL to the base,
+  dropout on): its checkpoints hold adapters only, the base once in checkpoints/base.
+  Resumed from its step-1 checkpoint it repeats the uninterrupted run's rows and
+  adapters bitwise; restore_params merges W0 + (alpha / r) A B; a resume against a
+  different base stops with one line."""
+  from rl_jax import checkpoint as ck
+  from rl_jax import config as config_lib
+  from rl_jax.orchestration import loop
+  cfg, _ = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"), *LOOP])
+  cfg = config_lib.validate(cfg)
+  ref, res = str(tmp_path / "ref"), str(tmp_path / "res")
+  loop.Pipeline(cfg, ref).run()
+  shutil.copytree(ref, res)
+  for step in ("2", "3"):  # as if the run had stopped after committing step 1
+    shutil.rmtree(os.path.join(ck.directory(res), step))
+  summary = loop.Pipeline(cfg, res).run()
+  assert summary["resumes"][0]["step"] == 1
+
+  want, got = _loop_rows(ref), _loop_rows(res)
+  assert sorted(got) == [1, 2, 3]
+  for step in (2, 3):
+    assert {k: got[step][k] for k in EXACT} == {k: want[step][k] for k in EXACT}
+  assert want[3]["policy/kl"] > 0
+  # The adapters' sync bytes: rank 4 on every projection of the tiny model.
+  mcfg = ck.model_config(cfg)
+  assert want[1]["weight_sync/bytes"] == 4 * lora.num_adapter_params(mcfg) < (
+      0.1 * 4 * model.num_params(mcfg))
+
+  ref_ck, res_ck = (ck.Checkpointer(w, read_only=True) for w in (ref, res))
+  step, mcfg, base, adapters, _ = res_ck.restore_lora(3)
+  _, _, ref_base, ref_adapters, _ = ref_ck.restore_lora(3)
+  jax.tree.map(np.testing.assert_array_equal, (base, adapters), (ref_base, ref_adapters))
+  assert sorted(adapters) == sorted(mcfg.lora_targets)
+  assert os.path.isdir(os.path.join(ck.directory(ref), "base"))
+  # Merged export params: W0 + (alpha / r) A B, written out in NumPy.
+  merged = res_ck.restore_params(3)[1]
+  s = mcfg.lora_alpha / mcfg.lora_rank
+  for t in mcfg.lora_targets:
+    a, b, w0 = adapters[t]["a"], adapters[t]["b"], base["layers"][t]
+    prod = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                     b.reshape(b.shape[0], b.shape[1], -1)).reshape(w0.shape)
+    np.testing.assert_allclose(merged["layers"][t], w0 + s * prod, rtol=1e-6, atol=1e-6)
+    assert np.abs(s * prod).max() > 1e-4
+  np.testing.assert_array_equal(merged["embed"], base["embed"])
+
+  # Another base under the same checkpoints: refused in one line naming both.
+  shutil.rmtree(res_ck.base_path())
+  res_ck.save_base(jax.tree.map(lambda x: x * 1.01, base))
+  with pytest.raises(loop.RunError) as e:
+    loop.Pipeline(cfg, res).run()
+  line = str(e.value)
+  assert "\n" not in line and "holds LoRA adapters trained on the base from" in line
+  # The recorded base (written by the run this one was copied from) and the one found.
+  assert f"from {os.path.join(ck.directory(ref), 'base')} (fingerprint" in line
+  assert f"but the base from {res_ck.base_path()} has fingerprint" in line
+  with pytest.raises(ck.RestoreError, match="fingerprint"):
+    res_ck.restore_params(3)

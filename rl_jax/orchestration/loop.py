@@ -142,9 +142,8 @@ class Pipeline:
     self.state = self.trainer.init_state(params=init_params, rng=jax.random.PRNGKey(cfg.seed))
     try:
       # Under LoRA state.params are the adapters: only they travel per publication.
-      self.weight_sync = WeightSync(
-          logical_axes=self.trainer.logical_axes,
-          param_shapes=jax.eval_shape(lambda: self.state.params),
+      self.weight_sync = WeightSync.for_policy(
+          self.model_cfg, jax.eval_shape(lambda: self.state.params),
           trainer_shardings=self.trainer.param_shardings,
           sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
           colocated=self.meshes.colocated)

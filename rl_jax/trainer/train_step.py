@@ -146,13 +146,11 @@ class Trainer:
     # Shardings of the full model's weights: the base under LoRA, the warm-up's params.
     self.full_shardings = shd.tree_shardings(
         model.param_logical_axes(model_cfg), full_shapes, mesh, shd.TRAIN_RULES)
-    # state.params: the adapters under LoRA, else the full model (logical axes as well,
-    # for weight sync).
-    self.logical_axes = (lora.logical_axes(model_cfg) if self.lora
-                         else model.param_logical_axes(model_cfg))
+    # state.params: the adapters under LoRA, else the full model.
     master_shapes = lora.adapter_shapes(model_cfg) if self.lora else full_shapes
-    self.param_shardings = shd.tree_shardings(self.logical_axes, master_shapes, mesh,
-                                              shd.TRAIN_RULES)
+    self.param_shardings = shd.tree_shardings(
+        lora.logical_axes(model_cfg) if self.lora else model.param_logical_axes(model_cfg),
+        master_shapes, mesh, shd.TRAIN_RULES)
     self.state_shardings = self._state_shardings(self.optimizer, master_shapes,
                                                  self.param_shardings)
     self.sft_state_shardings = self._state_shardings(self.sft_optimizer, full_shapes,
