@@ -8,7 +8,8 @@ Reads the newest readable checkpoint of the workdir (or --step). A full fine-tun
 transformers; a LoRA run with --merged gives the merged weights W0 + (alpha/r) A B. A
 LoRA run without --merged writes adapter_config.json + adapter_model.safetensors, which
 load with `peft.PeftModel.from_pretrained(base, out)` where base is model.path, or, when
-the run made its base (no model.path), the Hugging Face checkpoint written to <out>/base.
+the run made its base (a random init or a supervised warm-up), the Hugging Face
+checkpoint written to <out>/base.
 Tokenizer files of a run started from a Hugging Face checkpoint (model.path) are copied.
 """
 import argparse
@@ -44,7 +45,8 @@ def _main(argv):
   else:
     step, model_cfg, base_params, adapters, config = ck.restore_lora(args.step)
     base = config["run"]["model"]["path"]
-    if not base:  # the run made its base: PEFT needs it as a Hugging Face checkpoint
+    # A base the run made (random init and/or warm-up): PEFT needs it as a HF checkpoint.
+    if config["lora_base"]["made_by_run"]:
       base = os.path.join(args.out, "base")
       model_lib.save_pretrained(base, model_cfg, base_params)
     model_lib.save_peft_adapter(args.out, model_cfg, adapters, os.path.abspath(base))
