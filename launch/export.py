@@ -38,6 +38,7 @@ def _main(argv):
   from rl_jax import checkpoint as checkpoint_lib
   from rl_jax import model as model_lib
   ck = checkpoint_lib.Checkpointer(args.workdir, read_only=True)
+  hf_dirs = [args.out]  # Hugging Face dirs that get the tokenizer files
   if args.merged or not _is_lora(ck, args.step):
     step, params, config = ck.restore_params(args.step)
     model_cfg = checkpoint_lib.model_config_from_dict(config["model"])
@@ -49,12 +50,14 @@ def _main(argv):
     if config["lora_base"]["made_by_run"]:
       base = os.path.join(args.out, "base")
       model_lib.save_pretrained(base, model_cfg, base_params)
+      hf_dirs.append(base)
     model_lib.save_peft_adapter(args.out, model_cfg, adapters, os.path.abspath(base))
     print(f"PEFT adapter (rank {model_cfg.lora_rank}) for the base {os.path.abspath(base)}")
   source = config["run"]["model"]["path"]
   for name in _TOKENIZER_FILES:
     if source and os.path.exists(os.path.join(source, name)):
-      shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
+      for d in hf_dirs:
+        shutil.copy(os.path.join(source, name), os.path.join(d, name))
   print(f"exported step {step} of {args.workdir} to {args.out}")
 
 

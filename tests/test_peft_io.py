@@ -162,15 +162,21 @@ def test_export_of_a_lora_run_loads_in_peft_and_merged(base_from, tmp_path, caps
   if model_path:
     M.save_pretrained(model_path, cfg, params if not made else jax.tree.map(
         lambda x: 0.5 * x, params))
+    with open(os.path.join(model_path, "tokenizer_config.json"), "w") as f:
+      f.write("{}")  # copied along with the export (and into a written base)
   workdir, out, merged_out = (str(tmp_path / n) for n in ("run", "adapter", "merged"))
   _save_lora_run(workdir, cfg, params, adapters, model_path=model_path, made=made)
   assert export.main(["--workdir", workdir, "--out", out]) == 0
   assert export.main(["--workdir", workdir, "--out", merged_out, "--merged"]) == 0
   assert "PEFT adapter (rank 4)" in capsys.readouterr().out
   files = ["adapter_config.json", "adapter_model.safetensors"]
+  tokenizer = ["tokenizer_config.json"] if model_path else []
   # PEFT needs the base as a Hugging Face checkpoint: a base the run made is written.
   base_dir = os.path.join(out, "base") if made else model_path
-  assert sorted(os.listdir(out)) == sorted(files + (["base"] if made else []))
+  assert sorted(os.listdir(out)) == sorted(files + tokenizer + (["base"] if made else []))
+  if made:
+    assert sorted(os.listdir(base_dir)) == sorted(["config.json", "model.safetensors"]
+                                                  + tokenizer)
   written = json.loads(open(os.path.join(out, peft_io.CONFIG_FILE)).read())
   assert written["base_model_name_or_path"] == os.path.abspath(base_dir)
   assert not os.path.exists(os.path.join(merged_out, peft_io.CONFIG_FILE))
