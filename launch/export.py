@@ -8,7 +8,8 @@ Reads the newest readable checkpoint of the workdir (or --step). A full fine-tun
 transformers; a LoRA run with --merged gives the merged weights W0 + (alpha/r) A B. A
 LoRA run without --merged writes adapter_config.json + adapter_model.safetensors, which
 load with `peft.PeftModel.from_pretrained(base, out)` where base is model.path, or, when
-the run made its base (no model.path), the Hugging Face checkpoint written to <out>/base.
+the run made its base (a random init or a supervised warm-up), the Hugging Face
+checkpoint written to <out>/base.
 Tokenizer files of a run started from a Hugging Face checkpoint (model.path) are copied.
 """
 import argparse
@@ -37,6 +38,7 @@ def _main(argv):
   from rl_jax import checkpoint as checkpoint_lib
   from rl_jax import model as model_lib
   ck = checkpoint_lib.Checkpointer(args.workdir, read_only=True)
+  hf_dirs = [args.out]  # Hugging Face dirs that get the tokenizer files
   if args.merged or not _is_lora(ck, args.step):
     step, params, config = ck.restore_params(args.step)
     model_cfg = checkpoint_lib.model_config_from_dict(config["model"])
@@ -44,15 +46,18 @@ def _main(argv):
   else:
     step, model_cfg, base_params, adapters, config = ck.restore_lora(args.step)
     base = config["run"]["model"]["path"]
-    if not base:  # the run made its base: PEFT needs it as a Hugging Face checkpoint
+    # A base the run made (random init and/or warm-up): PEFT needs it as a HF checkpoint.
+    if config["lora_base"]["made_by_run"]:
       base = os.path.join(args.out, "base")
       model_lib.save_pretrained(base, model_cfg, base_params)
+      hf_dirs.append(base)
     model_lib.save_peft_adapter(args.out, model_cfg, adapters, os.path.abspath(base))
     print(f"PEFT adapter (rank {model_cfg.lora_rank}) for the base {os.path.abspath(base)}")
   source = config["run"]["model"]["path"]
   for name in _TOKENIZER_FILES:
     if source and os.path.exists(os.path.join(source, name)):
-      shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
+      for d in hf_dirs:
+        shutil.copy(os.path.join(source, name), os.path.join(d, name))
   print(f"exported step {step} of {args.workdir} to {args.out}")
 
 

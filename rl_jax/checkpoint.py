@@ -445,18 +445,16 @@ class Checkpointer:
   def base_path(self) -> str:
     return os.path.join(self.directory, BASE_DIR)
 
-  def save_base(self, base_params) -> bool:
-    """Writes a LoRA run's base to <checkpoints>/base unless it is there already (orbax
-    renames it into place when complete); SaveError if the write fails."""
-    if os.path.isdir(self.base_path()):
-      return False
+  def save_base(self, base_params) -> None:
+    """Writes a LoRA run's base to <checkpoints>/base, replacing any there (a fresh
+    run's; orbax renames it into place when complete; every process takes part, as in
+    `save`). SaveError if the write fails."""
     try:
       with ocp.StandardCheckpointer() as c:
-        c.save(self.base_path(), base_params)
+        c.save(self.base_path(), base_params, force=True)
         c.wait_until_finished()
     except Exception as e:  # noqa: BLE001  (whatever the storage layer raises)
       raise SaveError(f"writing the LoRA base to {self.base_path()} failed ({_reason(e)})") from e
-    return True
 
   def restore_base(self, abstract_base=None):
     """<checkpoints>/base onto `abstract_base`'s shapes, dtypes and shardings (default:

@@ -129,49 +129,61 @@ def test_a_tensor_of_the_wrong_shape_is_named(tmp_path):
     peft_io.load_peft_adapter(str(tmp_path), _cfg(hidden_size=48))
 
 
-class _LoraCheckpointer:
-  """Stands in for rl_jax.checkpoint.Checkpointer on a LoRA run of `cfg` (the contract's
-  restore_lora / restore_params), so launch/export.py's wiring is tested on its own."""
-
-  def __init__(self, cfg, params, adapters):
-    self.cfg, self.params, self.adapters = cfg, params, adapters
-    self.config = {"run": {"model": {"path": ""}}, "model": {"lora_rank": cfg.lora_rank}}
-
-  def __call__(self, workdir, read_only):
-    return self
-
-  def steps(self):
-    return [3, 5]
-
-  def read_json(self, step, item):
-    return self.config
-
-  def restore_lora(self, step):
-    return 5, self.cfg, self.params, self.adapters, self.config
-
-  def restore_params(self, step):
-    return 5, lora.merge_params(self.cfg, self.params, self.adapters), self.config
+def _save_lora_run(workdir, cfg, base, adapters, *, model_path="", made):
+  """Step 5 of a LoRA run as the loop checkpoints it: adapters (and an optimizer state),
+  the base's record, and the base itself under checkpoints/base when the run made it."""
+  from rl_jax import checkpoint
+  from rl_jax import config as config_lib
+  run = config_lib.base_config()
+  run.model.path = model_path
+  run.model.lora.rank, run.model.lora.alpha = cfg.lora_rank, cfg.lora_alpha
+  run.model.lora.targets = ",".join(cfg.lora_targets)
+  ck = checkpoint.Checkpointer(workdir, run.checkpoint)
+  if made:
+    ck.save_base(base)
+  record = {"source": ck.base_path() if made else f"model.path {model_path!r}",
+            "made_by_run": made, "fingerprint": checkpoint.fingerprint(base)}
+  ck.save(5, params=adapters, opt_state={"mu": adapters}, ref_params=None, loop={"step": 5},
+          config={"run": run.to_dict(), "model": dataclasses.asdict(cfg), "lora_base": record},
+          wait=True)
+  ck.close()
 
 
-def test_export_of_a_lora_run_loads_in_peft_and_merged(tmp_path, monkeypatch, capsys):
+# run: a preset's random init; model_path: model.path as is; warmed_up: model.path changed
+# by the supervised warm-up, which makes it the run's own base too.
+@pytest.mark.parametrize("base_from", ["run", "model_path", "warmed_up"])
+def test_export_of_a_lora_run_loads_in_peft_and_merged(base_from, tmp_path, capsys):
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
   import export  # launch/export.py
-  from rl_jax import checkpoint
   cfg = _cfg(qkv_bias=False, lora_targets=("q", "o", "up"))
   params, adapters = _random(cfg, seed=6)
-  fake = _LoraCheckpointer(cfg, params, adapters)
-  fake.config["model"] = dataclasses.asdict(cfg)
-  monkeypatch.setattr(checkpoint, "Checkpointer", fake)
-  out, merged_out = str(tmp_path / "adapter"), str(tmp_path / "merged")
-  assert export.main(["--workdir", "w", "--out", out]) == 0
-  assert export.main(["--workdir", "w", "--out", merged_out, "--merged"]) == 0
+  model_path = "" if base_from == "run" else str(tmp_path / "hf_base")
+  made = base_from != "model_path"
+  if model_path:
+    M.save_pretrained(model_path, cfg, params if not made else jax.tree.map(
+        lambda x: 0.5 * x, params))
+    with open(os.path.join(model_path, "tokenizer_config.json"), "w") as f:
+      f.write("{}")  # copied along with the export (and into a written base)
+  workdir, out, merged_out = (str(tmp_path / n) for n in ("run", "adapter", "merged"))
+  _save_lora_run(workdir, cfg, params, adapters, model_path=model_path, made=made)
+  assert export.main(["--workdir", workdir, "--out", out]) == 0
+  assert export.main(["--workdir", workdir, "--out", merged_out, "--merged"]) == 0
   assert "PEFT adapter (rank 4)" in capsys.readouterr().out
-  assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors", "base"]
+  files = ["adapter_config.json", "adapter_model.safetensors"]
+  tokenizer = ["tokenizer_config.json"] if model_path else []
+  # PEFT needs the base as a Hugging Face checkpoint: a base the run made is written.
+  base_dir = os.path.join(out, "base") if made else model_path
+  assert sorted(os.listdir(out)) == sorted(files + tokenizer + (["base"] if made else []))
+  if made:
+    assert sorted(os.listdir(base_dir)) == sorted(["config.json", "model.safetensors"]
+                                                  + tokenizer)
+  written = json.loads(open(os.path.join(out, peft_io.CONFIG_FILE)).read())
+  assert written["base_model_name_or_path"] == os.path.abspath(base_dir)
   assert not os.path.exists(os.path.join(merged_out, peft_io.CONFIG_FILE))
 
   tokens = np.random.RandomState(7).randint(0, cfg.vocab_size, (2, 10))
   ours = np.asarray(jax.jit(M.apply)(cfg, params, tokens, adapters=adapters))
-  hf_base = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "base"))
+  hf_base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
   with torch.no_grad():
     peft_logits = peft.PeftModel.from_pretrained(hf_base, out).eval()(
         torch.tensor(tokens)).logits.numpy()

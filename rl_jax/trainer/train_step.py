@@ -30,15 +30,12 @@ cross-entropy on completion tokens and its own optimizer (constant
 from `init_sft_state`; after the warm-up, `init_state(params=sft_state.params)` starts
 RL with fresh Adam moments (and, when kl_beta > 0, the warmed-up params as reference).
 
-LoRA (model_cfg.lora_rank > 0, rl_jax.model.lora). `init_state(params=base)` freezes the
-base as `base_params` (model.param_dtype, TRAIN_RULES shardings) and returns a state
-whose `params` are the adapters (float32 masters, Adam moments only for them); every
-forward is the base plus the low-rank path, and gradients are taken in the adapters only.
-The base enters the jitted step as an argument (not donated) and is also the KL
-reference (no extra copy). With lora_dropout > 0 the update's forwards drop the low-rank
-path's inputs with a key folded from the state's step counter, minibatch and
-micro-batch (pi_prox and pi_ref forwards use none). The supervised warm-up trains the
-full model: it makes the base that LoRA RL then starts from.
+LoRA (model_cfg.lora_rank > 0): `init_state(params=base)` freezes the base as
+`base_params` (model.param_dtype, TRAIN_RULES shardings; a step argument, not donated, and
+the KL reference) and the state's `params` are the adapters (rl_jax.model.lora; float32,
+Adam only for them), the only tree differentiated. lora_dropout keys fold in the state's
+step, minibatch and micro-batch (update forwards only). The warm-up trains the full
+model: the base that LoRA RL starts from.
 """
 from __future__ import annotations
 
@@ -156,14 +153,17 @@ class Trainer:
     self.sft_state_shardings = self._state_shardings(self.sft_optimizer, full_shapes,
                                                      self.full_shardings)
     self._batch_spec = shd.batch_sharding(mesh, shd.TRAIN_RULES, 1).spec
+    self.ref_params = ()
+    self.base_params = ()
+    self._build_programs()
+
+  def _build_programs(self) -> None:
+    """The jitted initialisers, steps and probes, with their shardings and donation."""
     grpo_sh = {k: self._batch_sharding(k) for k in GRPO_KEYS}
     sft_sh = {k: self._batch_sharding(k) for k in SFT_KEYS}
     # The steps' frozen argument: the base under LoRA (also the KL reference), else the
     # reference policy when kl_beta > 0, else nothing.
     frozen_sh = self.full_shardings if self.lora or self.cfg.kl_beta > 0 else ()
-    self.ref_params = ()
-    self.base_params = ()
-
     # Jitted initialisers per optimizer: from an rng, or from given params (LoRA RL:
     # adapters from an rng only).
     self._inits = {}
@@ -179,14 +179,14 @@ class Trainer:
                                    out_shardings=self.state_shardings), None)
     # Frozen weights (reference, LoRA base): stored in model.param_dtype, cast to the
     # compute dtype where they run (forward only).
-    frozen_dtype = jnp.dtype(model_cfg.param_dtype)
+    frozen_dtype = jnp.dtype(self.model_cfg.param_dtype)
     self._freeze = jax.jit(
         lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(frozen_dtype)), p),
         in_shardings=(self.full_shardings,), out_shardings=self.full_shardings)
     # A random base is the full model's float32 init (the same draw), then frozen.
     self._random_base = jax.jit(
         lambda k: jax.tree.map(lambda x: x.astype(frozen_dtype), model.init_params(
-            model_cfg.replace(param_dtype="float32"), k)),
+            self.model_cfg.replace(param_dtype="float32"), k)),
         in_shardings=(self.replicated,), out_shardings=self.full_shardings)
     self._step = jax.jit(
         self._train_step,
