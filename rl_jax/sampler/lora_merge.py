@@ -57,15 +57,25 @@ def with_targets(decode_params, new) -> dict:
   return {**decode_params, "layers": layers}
 
 
+def _merge_layer(cfg, w, ab):
+  """One layer: {t: W0} and {t: {"a", "b"}} (no layer axis) -> {t: W0 + (alpha/r) A B}."""
+  one = lora.merge_params(cfg, {"layers": jax.tree.map(lambda x: x[None], w)},
+                          jax.tree.map(lambda x: x[None], ab))["layers"]
+  return jax.tree.map(lambda x: x[0], one)
+
+
 def merge_targets(cfg, base_t, adapters) -> tuple | dict:
-  """W0 + (alpha/r) A B for the target weights `base_t` (targets_of's layout)."""
+  """W0 + (alpha/r) A B for the target weights `base_t` (targets_of's layout), one layer
+  after another: the float32 products of a single layer are live at a time (merging
+  every layer at once would hold them all, 2x the target weights' bf16 bytes)."""
   if not isinstance(base_t, tuple):
-    return lora.merge_params(cfg, {"layers": base_t}, adapters)["layers"]
+    return jax.lax.map(lambda wa: _merge_layer(cfg, *wa), (base_t, adapters))
   out = []
-  for i, w in enumerate(base_t):  # layer i as a stack of one layer
-    one = jax.tree.map(lambda x: x[None], w)
-    ab = jax.tree.map(lambda x, i=i: x[i:i + 1], adapters)
-    out.append(jax.tree.map(lambda x: x[0], lora.merge_params(cfg, {"layers": one}, ab)["layers"]))
+  for i, w in enumerate(base_t):
+    ab = jax.tree.map(lambda x, i=i: x[i], adapters)
+    if out:  # layer i starts once layer i - 1 is written
+      w, ab, _ = jax.lax.optimization_barrier((w, ab, out[-1]))
+    out.append(_merge_layer(cfg, w, ab))
   return tuple(out)
 
 
