@@ -203,3 +203,34 @@ def test_lora_run_resumes_exactly_and_refuses_another_base(tmp_path):
   assert f"but the base from {res_ck.base_path()} has fingerprint" in line
   with pytest.raises(ck.RestoreError, match="fingerprint"):
     res_ck.restore_params(3)
+
+
+def test_restore_lora_reads_a_model_path_base_and_refuses_a_changed_one(tmp_path):
+  """A LoRA checkpoint of a run on model.path holds no base: restore_lora reads it from
+  model.path again and refuses it once the directory holds other weights."""
+  import dataclasses
+  from rl_jax import checkpoint as ck
+  from rl_jax import config as config_lib
+  hf, workdir = str(tmp_path / "hf"), str(tmp_path / "run")
+  base = jax.tree.map(np.asarray, model.init_params(_model_cfg(), jax.random.key(3)))
+  model.save_pretrained(hf, _model_cfg(), base)
+  cfg = config_lib.base_config()
+  cfg.model.path, cfg.model.lora.rank, cfg.model.lora.alpha = hf, RANK, ALPHA
+  mcfg = ck.model_config(cfg)
+  adapters = jax.tree.map(np.asarray, _nonzero_adapters(mcfg, 1))
+  record = {"source": f"model.path {hf!r}", "made_by_run": False,
+            "fingerprint": ck.fingerprint(base)}
+  writer = ck.Checkpointer(workdir, cfg.checkpoint)
+  writer.save(4, params=adapters, opt_state=adapters, ref_params=None, loop={"step": 4},
+              config={"run": cfg.to_dict(), "model": dataclasses.asdict(mcfg),
+                      "lora_base": record}, wait=True)
+  writer.close()
+  reader = ck.Checkpointer(workdir, read_only=True)
+  step, got_cfg, got_base, got_adapters, _ = reader.restore_lora()
+  assert step == 4 and got_cfg == mcfg and not os.path.exists(reader.base_path())
+  jax.tree.map(np.testing.assert_array_equal, (got_base, got_adapters), (base, adapters))
+
+  model.save_pretrained(hf, _model_cfg(), jax.tree.map(lambda x: x * 1.01, base))
+  with pytest.raises(ck.RestoreError) as e:
+    reader.restore_lora()
+  assert str(e.value).count(f"model.path {hf!r}") == 2 and "\n" not in str(e.value)

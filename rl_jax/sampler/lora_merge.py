@@ -13,11 +13,14 @@ have exactly the structure, dtypes and shardings Engine.load_params gives full p
 and every compiled decode program is reused as is. Given the previous merge's decode
 weights (`reuse`, which the caller will not read again), the program donates their
 target buffers and writes the new weights in place: sampler weight memory is the base
-plus one set of merged target weights.
+plus one set of merged target weights per Generator (the RL sampler's and the held-out
+evaluator's), as without LoRA each holds its own decode weights.
 
-Each merge is timed on its own (dispatch to ready, after waiting for `after`, e.g. the
-decode call still on the device) and the seconds are kept in `Merger.seconds` for the
-weight_sync/merge_s metric.
+Each merge is timed on its own (dispatch to ready, after waiting for `after`) and the
+seconds are kept in `Merger.seconds` for the weight_sync/merge_s metric. The Generator
+merges when it swaps in a publication, in the sampler thread, after its decode call on
+the device has finished: once per publication, the host's preparation of the next call
+does not overlap a device call.
 """
 from __future__ import annotations
 

@@ -167,16 +167,18 @@ class Trainer:
     # Jitted initialisers per optimizer: from an rng, or from given params (LoRA RL:
     # adapters from an rng only).
     self._inits = {}
-    for name, optimizer, sh in (("rl", self.optimizer, self.state_shardings),
-                                ("sft", self.sft_optimizer, self.sft_state_shardings)):
+    full_ft = (("sft", self.sft_optimizer, self.sft_state_shardings),)
+    if self.lora:
+      self._inits["rl"] = (jax.jit(self._init_adapters, in_shardings=(self.replicated,),
+                                   out_shardings=self.state_shardings), None)
+    else:
+      full_ft += (("rl", self.optimizer, self.state_shardings),)
+    for name, optimizer, sh in full_ft:
       self._inits[name] = (
           jax.jit(self._make_init(optimizer, from_rng=True), in_shardings=(self.replicated,),
                   out_shardings=sh),
           jax.jit(self._make_init(optimizer, from_rng=False),
                   in_shardings=(self.full_shardings,), out_shardings=sh))
-    if self.lora:
-      self._inits["rl"] = (jax.jit(self._init_adapters, in_shardings=(self.replicated,),
-                                   out_shardings=self.state_shardings), None)
     # Frozen weights (reference, LoRA base): stored in model.param_dtype, cast to the
     # compute dtype where they run (forward only).
     frozen_dtype = jnp.dtype(self.model_cfg.param_dtype)
