@@ -11,6 +11,15 @@ Layout: `<workdir>/checkpoints/<step>/` with one orbax item each for
 `step` is the number of optimizer steps (Trainer.step calls) the params have taken; step 0
 is the state right after the supervised warm-up.
 
+LoRA runs (model.lora.rank > 0): `params` and `opt_state` are the adapters and their
+optimizer state, and the config item's `lora_base` names the frozen base (`source`,
+`made_by_run`) with its fingerprint; no step holds a copy of the base. A base that
+model.path supplies is read from there again; a base the run made (a random init and/or
+the supervised warm-up) is written once, before the first step, to
+`<workdir>/checkpoints/base` (orbax ignores the name: it is not a step). A resume, an
+export and `restore_params` (which merges W0 + (alpha / r) A B) refuse a base whose
+fingerprint differs from the recorded one.
+
 Retention: the newest `checkpoint.keep` steps, plus with `checkpoint.keep_best` the step
 with the highest held-out reward among steps saved together with one.
 
@@ -48,6 +57,7 @@ from rl_jax import config as config_lib
 from rl_jax.errors import UserError
 
 ARRAY_ITEMS = ("params", "opt_state", "ref_params")
+BASE_DIR = "base"  # a LoRA run's base, when the run made it (module docstring)
 # Config fields a resumed run must share with its checkpoint: config.resume_must_match.
 _MODEL_MAY_DIFFER = ("remat", "attention")
 
@@ -135,7 +145,9 @@ def check_compatible(saved: dict, cfg, model_cfg, *, where: str) -> list[str]:
           f"{where} was written with {key}={old!r} but this config has {key}={new!r}; "
           "the saved state only continues a run with the same value (or use a new --workdir)")
     changed.append(f"{key}: {old!r} -> {new!r}")
-  if cfg.trainer.kl_beta > 0 and not saved.get("has_ref_params", False):
+  # A LoRA run's reference is its base, which no step holds.
+  if (cfg.trainer.kl_beta > 0 and not model_cfg.lora_rank
+      and not saved.get("has_ref_params", False)):
     raise RestoreError(
         f"{where} was written with trainer.kl_beta=0 and holds no reference policy, but this "
         f"config has trainer.kl_beta={cfg.trainer.kl_beta}; use a new --workdir")
@@ -188,6 +200,26 @@ def fingerprint(tree) -> list[int]:
       out.append(int(u.sum(dtype=np.uint64) % 2**32))
     return out
   return [int(v) for v in jax.device_get([_device_fingerprint(x) for x in leaves])]
+
+
+def base_mismatch(saved: dict, ours: list[int], source: str, *, where: str) -> str | None:
+  """One line when a LoRA checkpoint's recorded base (`saved`: its lora_base record)
+  is not the base at hand (fingerprint `ours`, read from `source`); None if it is."""
+  if ours == saved["fingerprint"]:
+    return None
+  digest = lambda fp: f"{sum(fp) % 2**32:08x}"
+  return (f"{where} holds LoRA adapters trained on the base from {saved['source']} "
+          f"(fingerprint {digest(saved['fingerprint'])}), but the base from {source} has "
+          f"fingerprint {digest(ours)}; resume with the checkpoint's base or use a new --workdir")
+
+
+def _host_target(meta_tree):
+  """ShapeDtypeStructs on this host's CPU for an orbax metadata tree."""
+  cpu = jax.local_devices(backend="cpu")[0]
+  return jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
+                                     sharding=jax.sharding.SingleDeviceSharding(cpu)),
+      meta_tree, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
 
 
 def abstract(tree, dtype=None):
@@ -377,18 +409,77 @@ class Checkpointer:
 
   def restore_params(self, step: int | None = None) -> tuple[int, Any, dict]:
     """(step, params as host numpy arrays, config item) of the newest readable step (or
-    `step`), e.g. for export; needs no trainer mesh."""
+    `step`), e.g. for export; needs no trainer mesh. A LoRA run's params are merged:
+    W0 + (alpha / r) A B in W0's dtype (model.param_dtype)."""
+    s, params, config = self._restore_host_params(step)
+    if not config["model"].get("lora_rank"):
+      return s, params, config
+    s, model_cfg, base, adapters, config = self.restore_lora(s)
+    from rl_jax.model import lora
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+      merged = lora.merge_params(model_cfg, base, adapters)
+    return s, jax.tree.map(np.asarray, merged), config
+
+  def restore_lora(self, step: int | None = None) -> tuple[int, Any, Any, Any, dict]:
+    """(step, ModelConfig, base params, adapters, config item) of a LoRA run's newest
+    readable step (or `step`) as host numpy arrays; the base from <checkpoints>/base or
+    model.path (module docstring), checked against the step's recorded fingerprint."""
+    s, adapters, config = self._restore_host_params(step)
+    model_cfg = model_config_from_dict(config["model"])
+    if not model_cfg.lora_rank:
+      raise RestoreError(f"{self.where(s)} is not a LoRA run's (model.lora.rank = 0)")
+    record = config["lora_base"]
+    if record["made_by_run"]:
+      base, source = self.restore_base(), self.base_path()
+    else:
+      from rl_jax.model import hf_io
+      run = run_config_from_dict(config["run"])
+      _, base = hf_io.from_run_config(run.model, weights=True,
+                                      weights_dtype=model_cfg.param_dtype)
+      source = f"model.path {run.model.path!r}"
+    error = base_mismatch(record, fingerprint(base), source, where=self.where(s))
+    if error:
+      raise RestoreError(error)
+    return s, model_cfg, base, adapters, config
+
+  def base_path(self) -> str:
+    return os.path.join(self.directory, BASE_DIR)
+
+  def save_base(self, base_params) -> None:
+    """Writes a LoRA run's base to <checkpoints>/base, replacing any there (a fresh
+    run's; orbax renames it into place when complete; every process takes part, as in
+    `save`). SaveError if the write fails."""
+    try:
+      with ocp.StandardCheckpointer() as c:
+        c.save(self.base_path(), base_params, force=True)
+        c.wait_until_finished()
+    except Exception as e:  # noqa: BLE001  (whatever the storage layer raises)
+      raise SaveError(f"writing the LoRA base to {self.base_path()} failed ({_reason(e)})") from e
+
+  def restore_base(self, abstract_base=None):
+    """<checkpoints>/base onto `abstract_base`'s shapes, dtypes and shardings (default:
+    host numpy arrays); RestoreError when it is missing or unreadable."""
+    try:
+      with ocp.StandardCheckpointer() as c:
+        if abstract_base is None:
+          meta = c.metadata(self.base_path())
+          tree = getattr(meta, "item_metadata", meta)
+          return jax.tree.map(np.asarray, c.restore(
+              self.base_path(), _host_target(getattr(tree, "tree", tree))))
+        return c.restore(self.base_path(), abstract_base)
+    except Exception as e:  # noqa: BLE001
+      raise RestoreError(f"the LoRA base in {self.base_path()} cannot be read "
+                         f"({_reason(e)})") from e
+
+  def _restore_host_params(self, step: int | None) -> tuple[int, Any, dict]:
+    """(step, the params item as host numpy arrays, config item): the newest readable
+    step (or `step`)."""
     failures = []
-    cpu = jax.local_devices(backend="cpu")[0]
     for s in self._candidates(step):
       try:
         config = self.read_json(s, "config")
         meta = self._manager.item_metadata(s)["params"]
-        tree = getattr(meta, "tree", meta)
-        target = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype,
-                                           sharding=jax.sharding.SingleDeviceSharding(cpu)),
-            tree, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+        target = _host_target(getattr(meta, "tree", meta))
         out = self._manager.restore(s, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(target), loop=ocp.args.JsonRestore()))
         params = jax.tree.map(np.asarray, out["params"])

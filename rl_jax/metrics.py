@@ -17,7 +17,9 @@ Names are flat and prefixed by area, following the seed's monitoring table:
   weight_sync/*  transfer_s (train step done -> sampler copy landed; duration_s is the
                  same), wait_inflight_s (copy staged -> swapped in by the sampler between
                  decode calls), pause_s (sampler-thread time taking the weights), lag_s
-                 (publish -> first sampler step on it), bytes, version
+                 (publish -> first sampler step on it), merge_s (LoRA: the sampler's
+                 merge of the adapters into its decode weights), bytes (of the published
+                 tree in the sampler dtype: the adapters' alone with LoRA), version
   policy/*       kl, ratio_p1/p50/p99, clip_frac_low/high, entropy, tis_weight_mean, ...,
                  logprob_mismatch_mean/max/tokens: |trainer - sampler log-prob| on the
                  tokens sampled with the params the step starts from (numerics only)
@@ -72,6 +74,11 @@ DESCRIPTIONS = {
     "weight_sync/wait_inflight_s": "seconds the staged weights waited for the sampler's "
                                    "in-flight decode call (or drain) before the swap",
     "weight_sync/pause_s": "seconds the sampler thread spent taking the new weights",
+    "weight_sync/merge_s": "LoRA: seconds of the one program that merges published adapters "
+                           "into the sampler's decode weights, W = W0 + (alpha/r) A B, timed "
+                           "alone (after the decode call in flight); 0 without LoRA",
+    "weight_sync/bytes": "bytes one publication moves, in the sampler dtype (with LoRA the "
+                         "adapters alone)",
     "queue/enqueue_rate": "verified groups put on the queue per second since the last row",
     "queue/dequeue_rate": "groups the trainer took from the queue per second since the last row",
     "reward/heldout": "mean correctness reward of greedy completions on the fixed held-out set",

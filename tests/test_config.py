@@ -36,6 +36,17 @@ def test_variant_and_overrides():
   assert isinstance(cfg.trainer.learning_rate, float)
 
 
+def test_default_lora_variant_combines_with_mode():
+  cfg, _ = load(spec=DEFAULT + ":mode=sync,lora=8")
+  assert (cfg.rl.mode, cfg.model.lora.rank, cfg.model.lora.alpha) == ("sync", 8, 32.0)
+  # sqrt(rank * hidden) / alpha = sqrt(8 * 128) / 32 = 1: full fine-tuning's 2e-4.
+  assert cfg.trainer.learning_rate == pytest.approx(2e-4)
+  assert cfg.model.lora.targets == "q,k,v,o,gate,up,down"
+  config_lib.validate(cfg, num_devices=8)
+  cfg, _ = load(spec=DEFAULT + ":lora=32")
+  assert cfg.trainer.learning_rate == pytest.approx(4e-4)  # sqrt(32 * 128) / 32 = 2
+
+
 def test_calculator_config_and_its_sync_variant():
   spec = os.path.join(ROOT, "configs", "calculator.py")
   cfg, _ = load(spec=spec)

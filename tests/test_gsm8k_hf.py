@@ -104,6 +104,13 @@ def test_config_variants_and_one_line_errors(files):
   assert (cfg.mesh.sampler.data, cfg.mesh.trainer.fsdp, cfg.trainer.micro_batch_size) == (4, 4, 64)
   with pytest.raises(config_lib.ConfigError, match=r"unknown variant 'model'; known: mode"):
     config_lib.load_file(CONFIG + ":model=x")
+  cfg = config_lib.load_file(CONFIG + ":mode=sync,lora=8")
+  assert (cfg.rl.mode, cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.param_dtype) == (
+      "sync", 8, 32.0, "bfloat16")
+  # Full fine-tuning's 2e-6 times sqrt(rank * hidden) / alpha = sqrt(8 * 896) / 32.
+  assert cfg.trainer.learning_rate == pytest.approx(2e-6 * 2.6458, rel=1e-4)
+  with pytest.raises(config_lib.ConfigError, match=r"variant lora='-1' must be an integer >= 0"):
+    config_lib.load_file(CONFIG + ":lora=-1")
   cfg, _ = config_lib.parse_args(["--config", CONFIG, f"--config.task.path={files / 'train.parquet'}"])
   with pytest.raises(config_lib.ConfigError,
                      match=r"^config field 'model.path' is empty; .*--config.model.path="):

@@ -205,3 +205,22 @@ def test_streams_ending_as_their_event_loop_closes_do_not_kill_workers(adapter):
   finally:
     driver.stop()
   assert lengths == [2 + i % 3 for i in range(120)]
+
+
+def test_lora_adapters_are_served_merged_into_the_base(params):
+  """An engine holding a LoRA base serves adapters: load_params gives the decode weights
+  of the merged model (W0 + (alpha/r) A B), as the full merged params would."""
+  from rl_jax.model import lora
+  cfg = CFG.replace(lora_rank=4, lora_targets=("q", "down"))
+  eng = E.Engine(cfg, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
+                 max_concurrent_decodes=4, page_size=4, num_pages=32, max_prefill_length=16,
+                 max_new_tokens=MAX_NEW, tokenizer=TOK)
+  eng.set_base(params)
+  ad = lora.init_adapters(cfg, jax.random.key(3))
+  ad = jax.tree.map(lambda x: x + 0.1, ad)  # B != 0
+  served = JA.JetStreamEngine(eng, params=ad).load_params()
+  want = eng.load_params(lora.merge_params(cfg, params, ad))
+  for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  assert not np.allclose(np.asarray(served["layers"][0]["q"]),
+                         np.asarray(params["layers"]["q"][0]))

@@ -195,6 +195,66 @@ def test_memory_arithmetic_of_real_presets():
   assert est.fits
 
 
+def test_memory_arithmetic_with_lora():
+  from rl_jax.model import presets
+  n = 494_032_768
+  cfg = _cfg("--config.model.preset=qwen2_0_5b", "--config.sampler.dtype=bfloat16",
+             "--config.model.dtype=bfloat16", "--config.model.param_dtype=bfloat16",
+             "--config.sampler.kv_cache_bytes=1073741824", "--config.sampler.num_pages=0",
+             "--config.data.max_prompt_length=64", "--config.sampler.max_new_tokens=64",
+             "--config.trainer.length_buckets=(64, 128, 256, 512, 1024, 2048, 4096)",
+             "--config.trainer.micro_batch_size=4", "--config.trainer.kl_beta=0.001",
+             "--config.rl.groups_per_step=16", "--config.rl.group_size=8",
+             "--config.model.lora.rank=8")
+  model_cfg, params = capacity.model_shape(cfg)
+  assert params == n and model_cfg.lora_rank == 8 and len(model_cfg.lora_targets) == 7
+  # Qwen2-0.5B: d 896, q/o 896 x 896, k/v 896 x 128, gate/up/down 896 x 4864, 24 layers.
+  # Adapters r (in + out): 8 * (2 * 1792 + 2 * 1024 + 3 * 5760) = 183_296 per layer.
+  # Targets in * out: 2 * 802_816 + 2 * 114_688 + 3 * 4_358_144 = 14_909_440 per layer.
+  adapters, targets = 24 * 183_296, 24 * 14_909_440
+  assert memory.lora_sizes(model_cfg) == (adapters, targets) == (4_399_104, 357_826_560)
+  est = memory.estimate(cfg=cfg, model_cfg=model_cfg, params=n, sampler_tensor=1,
+                        trainer_devices=4, trainer_tensor=1, memory_gib=139)
+  # Sampler: the bf16 base once, merged targets + adapters for generator and evaluator.
+  assert est.sampler_bytes == n * 2 + 2 * (targets + adapters) * 2 + 2**30
+  # Activations: test_memory_arithmetic_of_real_presets' 60_928 per layer plus x A of
+  # 7 targets, 7 * 8 * 2 = 112: per token 24 * 61_040 + 911_616 = 2_376_576.
+  assert est.activation_bytes == 128 * 2_376_576
+  # Trainer: the frozen bf16 base (also the KL reference: no copy), fp32 adapter master,
+  # grads, AdamW mu + nu, bf16 staging: about 1/8 of full fine-tuning's state.
+  assert est.trainer_bytes == (n * 2 + adapters * (4 + 4 + 8 + 2)) // 4 + 128 * 2_376_576
+  assert (est.sampler_weights_bytes, est.kv_pool_bytes, est.trainer_state_bytes) == (
+      n * 2 + 2 * (targets + adapters) * 2, 2**30, (n * 2 + adapters * 18) // 4)
+  full = memory.estimate(cfg=cfg, model_cfg=presets.get_preset("qwen2_0_5b"), params=n,
+                         sampler_tensor=1, trainer_devices=4, trainer_tensor=1, memory_gib=139)
+  assert full.trainer_bytes == n * (4 + 4 + 8 + 2 + 2) // 4 + 128 * 2_373_888
+
+
+def test_lora_lets_a_plan_fit_and_shrinks_its_weight_sync():
+  args = ("--config.model.preset=llama3_8b", "--config.sampler.dtype=bfloat16",
+          "--config.model.dtype=bfloat16", "--config.mesh.trainer.fsdp=1",
+          "--config.mesh.trainer.tensor=1", "--config.rl.groups_per_step=2",
+          "--config.rl.group_size=2", "--config.sampler.max_concurrent_decodes=4",
+          "--config.mesh.sampler.data=1")
+  cfg = _cfg(*args, "--config.model.param_dtype=bfloat16", "--config.model.lora.rank=16")
+  model_cfg, params = capacity.model_shape(cfg)
+  mem, reason = capacity.check_layout(cfg, layout=capacity.Layout(1, 1), model_cfg=model_cfg,
+                                      params=params, memory_gib=80)
+  # 8.03e9 params: 16 GB of bf16 base instead of 145 GB of fp32 state.
+  assert reason == "" and mem.trainer_bytes < 20 * 2**30
+  full_cfg, _ = capacity.model_shape(_cfg(*args))
+  sync = {}
+  for name, c, mc in (("lora", cfg, model_cfg), ("full", _cfg(*args), full_cfg)):
+    sc = capacity.scenario(c, layout=capacity.Layout(1, 1), profile=None, model_cfg=mc,
+                           params=params, device=planner.DEVICES["h200"], num_steps=5)
+    sync[name] = sc.weight_sync_s
+  adapters, targets = memory.lora_sizes(model_cfg)
+  h200 = planner.DEVICES["h200"]
+  assert sync["lora"] == pytest.approx(0.01 + adapters * 2 / h200.link_bytes_per_s
+                                       + 2 * targets * 2 / h200.hbm_bytes_per_s)
+  assert sync["full"] == pytest.approx(0.01 + params * 2 / h200.link_bytes_per_s)
+
+
 def test_plan_rejects_layouts_that_do_not_fit_memory():
   cfg = _cfg("--config.model.preset=llama3_8b", "--config.sampler.dtype=bfloat16",
              "--config.model.dtype=bfloat16", "--config.mesh.trainer.fsdp=1",

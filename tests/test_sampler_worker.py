@@ -1,4 +1,6 @@
-"""SamplerWorker pieces that need no pipeline: the overlong penalty it adds to rewards."""
+"""SamplerWorker pieces that need no pipeline: the overlong penalty it adds to rewards,
+LoRA merge timings."""
+import collections
 import types
 
 import numpy as np
@@ -39,3 +41,19 @@ def test_overlong_penalty_uses_the_episode_token_limit():
   """Tool episodes end at env.max_total_tokens when it is set: L_max = 16, B = 8."""
   w = _worker("penalty", episodes=object(), max_total_tokens=16)
   assert SamplerWorker._overlong_penalty(w, _rollout(12)) == pytest.approx(-0.5)
+
+
+def test_lora_merge_seconds_become_the_merge_metric_and_its_summary_mean():
+  """Each merge the engine timed (Engine.merger.seconds) is one weight_sync/merge_s,
+  taken once; weight_sync_merge_s_mean averages them (0 without LoRA: no merger)."""
+  w = _worker("mask")
+  merger = types.SimpleNamespace(seconds=collections.deque([0.25, 0.75]))
+  w.generator = types.SimpleNamespace(engine=types.SimpleNamespace(merger=merger))
+  SamplerWorker._note_merges(w)
+  SamplerWorker._note_merges(w)
+  assert w.acc.sync["merge_s"] == [0.25, 0.75] and not merger.seconds
+  assert w.acc.sync_means()["weight_sync_merge_s_mean"] == pytest.approx(0.5)
+  plain = _worker("mask")
+  plain.generator = types.SimpleNamespace(engine=types.SimpleNamespace(merger=None))
+  SamplerWorker._note_merges(plain)
+  assert plain.acc.sync_means()["weight_sync_merge_s_mean"] == 0.0

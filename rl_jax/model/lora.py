@@ -20,7 +20,7 @@ with in/out per target (shape letters as in transformer.py):
   gate, up  (e,) -> (f,)     down  (f,) -> (e,)
 
 Hugging Face / PEFT store lora_A.weight as (r, in) and lora_B.weight as (out, r) per
-layer with in/out flattened; rl_jax.model.hf_io converts.
+layer with in/out flattened; rl_jax.model.peft_io converts.
 
 Why not qwix: qwix adds its low-rank path by intercepting the einsum / dot_general
 calls of Flax modules, matched by module path. The decode loop runs `layer_forward`

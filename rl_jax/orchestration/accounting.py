@@ -36,7 +36,8 @@ _POLICY_KEYS = ("kl", "entropy", "clip_frac_low", "clip_frac_high", "ratio_p1", 
                 "logprob_mismatch_mean", "logprob_mismatch_max", "logprob_mismatch_tokens")
 # Per-publication timings: metric weight_sync/<name>, summary weight_sync_<name>_mean
 # (transfer_s also as weight_sync_s_mean); checkpoints carry [sum, count] of each.
-_SYNC_KEYS = ("transfer_s", "wait_inflight_s", "pause_s", "lag_s")
+# merge_s is 0 without LoRA (no merges).
+_SYNC_KEYS = ("transfer_s", "wait_inflight_s", "pause_s", "lag_s", "merge_s")
 
 
 class Clock:

@@ -12,6 +12,11 @@ rollouts, their token versions kept) and queued again on resume, so their stalen
 counted and bounded as usual; only the groups still being generated or verified are lost
 (counted in summary.json, never repeated).
 
+LoRA: a checkpoint holds the adapters, their optimizer state and the base's fingerprint
+(rl_jax/checkpoint.py); a base the run made is written once, with the first checkpoint,
+to <workdir>/checkpoints/base and read back on resume, and a resume whose base differs
+from the recorded one stops with one line naming both.
+
 Faults: SIGTERM saves at the next step boundary and raises Preempted (past
 checkpoint.grace_period_s the process exits with status 143 without waiting for the
 save; with checkpointing off it stops at once, there being nothing to save); a failure
@@ -110,6 +115,7 @@ class RunCheckpoints:
   def __init__(self, pipeline):
     self.p = pipeline
     self.checkpointer = None
+    self._base: dict | None = None  # a LoRA run's base record, once saved or restored
     if pipeline.cfg.checkpoint.every > 0:
       from rl_jax import checkpoint as checkpoint_lib
       self.checkpointer = checkpoint_lib.Checkpointer(pipeline.workdir, pipeline.cfg.checkpoint)
@@ -123,13 +129,50 @@ class RunCheckpoints:
       return False
     t0 = time.perf_counter()
     with p.schedule.event("save", step=step, heldout=heldout, wait=wait):
+      config = {"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)}
+      if p.trainer.lora:
+        config["lora_base"] = self._base_record()
       saved = self.checkpointer.save(
           step, params=p.state.params, opt_state=p.state.opt_state,
-          ref_params=p.trainer.ref_params if p.cfg.trainer.kl_beta > 0 else None,
-          loop=self.loop_state(step), heldout=heldout, wait=wait,
-          config={"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)})
+          # () when there is none: kl_beta = 0, or LoRA (the reference is the base).
+          ref_params=p.trainer.ref_params or None,
+          loop=self.loop_state(step), heldout=heldout, wait=wait, config=config)
     p.acc.checkpoint_blocking_s += time.perf_counter() - t0
     return saved
+
+  def _base_record(self) -> dict:
+    """The LoRA base's source and fingerprint (computed once); a base the run made
+    (random init, supervised warm-up) is written to <checkpoints>/base first."""
+    if self._base is None:
+      from rl_jax import checkpoint as checkpoint_lib
+      p = self.p
+      made = bool(p.cfg.warmstart.steps > 0 or not p.cfg.model.path)
+      if made:
+        self.checkpointer.save_base(p.trainer.base_params)
+      self._base = {
+          "source": self.checkpointer.base_path() if made else f"model.path {p.cfg.model.path!r}",
+          "made_by_run": made,
+          "fingerprint": checkpoint_lib.fingerprint(p.trainer.base_params)}
+    return self._base
+
+  def _restore_base(self, record: dict, where: str) -> None:
+    """Puts the base a LoRA checkpoint was trained on into the trainer (read from
+    <checkpoints>/base when the run made it; model.path's is loaded already) and
+    refuses another base (RunError, one line)."""
+    from rl_jax import checkpoint as checkpoint_lib
+    p, ck = self.p, self.checkpointer
+    source = f"model.path {p.cfg.model.path!r}"
+    try:
+      if record["made_by_run"]:
+        p.trainer.base_params = ck.restore_base(checkpoint_lib.abstract(p.trainer.base_params))
+        source = ck.base_path()
+    except checkpoint_lib.RestoreError as e:
+      raise RunError(str(e)) from None
+    error = checkpoint_lib.base_mismatch(
+        record, checkpoint_lib.fingerprint(p.trainer.base_params), source, where=where)
+    if error:
+      raise RunError(error)
+    self._base = record
 
   def last_step(self) -> int | None:
     """The newest checkpoint step whose write has committed; None without one."""
@@ -196,7 +239,7 @@ class RunCheckpoints:
     def check(saved, where):
       changed[:] = checkpoint_lib.check_compatible(saved, p.cfg, p.model_cfg, where=where)
 
-    kl = p.cfg.trainer.kl_beta > 0
+    kl = p.cfg.trainer.kl_beta > 0 and not p.trainer.lora  # LoRA's reference: the base
     try:
       r = ck.restore(
           abstract_params=checkpoint_lib.abstract(p.state.params),
@@ -207,6 +250,8 @@ class RunCheckpoints:
     except checkpoint_lib.RestoreError as e:
       raise RunError(str(e)) from None
     loop = r.loop
+    if p.trainer.lora:
+      self._restore_base(r.config["lora_base"], ck.where(r.step))
     sh = p.trainer.state_shardings
     p.state = TrainState(
         params=r.params, opt_state=r.opt_state,

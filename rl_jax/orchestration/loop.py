@@ -130,7 +130,6 @@ class Pipeline:
   def _make_models(self, init_params, multi: bool) -> None:
     """Trainer and its state, weight sync, sampler engine."""
     import jax
-    from rl_jax import model as model_lib
     from rl_jax.orchestration import multihost
     from rl_jax.orchestration.weight_sync import LayoutError, WeightSync
     from rl_jax.sampler.engine import Engine, Sampling
@@ -142,9 +141,9 @@ class Pipeline:
                            loss_norm_len=cfg.trainer.loss_norm_len or cfg.sampler.max_new_tokens)
     self.state = self.trainer.init_state(params=init_params, rng=jax.random.PRNGKey(cfg.seed))
     try:
-      self.weight_sync = WeightSync(
-          logical_axes=model_lib.param_logical_axes(self.model_cfg),
-          param_shapes=jax.eval_shape(lambda: self.state.params),
+      # Under LoRA state.params are the adapters: only they travel per publication.
+      self.weight_sync = WeightSync.for_policy(
+          self.model_cfg, jax.eval_shape(lambda: self.state.params),
           trainer_shardings=self.trainer.param_shardings,
           sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
           colocated=self.meshes.colocated)
@@ -415,6 +414,10 @@ class Pipeline:
   def _publish_first(self) -> None:
     """The weights the generators start from (before the RL loop: no event)."""
     from rl_jax.sampler.generator import Generator
+    if self.trainer.lora:
+      # The frozen base reaches the sampler once (a resume has restored it by now); every
+      # publication then merges the adapters into it on the sampler's devices.
+      self.engine.set_base(self.trainer.base_params)
     pub, finish = self._launch_publication()
     t0 = time.perf_counter()
     finish()

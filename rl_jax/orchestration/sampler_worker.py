@@ -162,6 +162,7 @@ class SamplerWorker:
             published = self.published_at.get(v)
           if published is not None:
             self.acc.weight_sync("lag_s", time.time() - published)
+          self._note_merges()
           last_version = v
         for r in finished:
           self.on_rollout_finished(r)
@@ -460,6 +461,13 @@ class SamplerWorker:
     self.requested_version = version
     self.acc.weight_sync("wait_inflight_s", t0 - pub.staged)
     self.acc.weight_sync("pause_s", time.perf_counter() - t0)
+
+  def _note_merges(self) -> None:
+    """weight_sync/merge_s of each LoRA merge since the last call (the sampler's, at its
+    swaps, and the held-out evaluator's: Engine.merger.seconds)."""
+    merger = getattr(self.generator.engine, "merger", None)
+    while merger is not None and merger.seconds:
+      self.acc.weight_sync("merge_s", merger.seconds.popleft())
 
   def cut_state(self) -> dict:
     """The admission state of one moment: outstanding groups, prompt iterator state, next

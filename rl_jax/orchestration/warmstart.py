@@ -10,13 +10,16 @@ def run(p) -> None:
   """Warms up pipeline `p` (loop.Pipeline): warmstart.steps supervised steps on batches
   of warmstart.batch_size demonstrations drawn with seed + 7, then p.state starts RL
   from the warmed-up params with fresh optimizer moments (with kl_beta > 0 they are also
-  the reference policy)."""
+  the reference policy). Under LoRA the warm-up trains the full model (from the base)
+  and its result becomes the frozen base under fresh adapters."""
+  import jax
   from rl_jax.data.prompts import demonstration_tokens, encode_prompt
   w = p.cfg.warmstart
   if w.steps <= 0:
     return
   rng = np.random.default_rng(p.cfg.seed + 7)
-  sft = p.trainer.init_sft_state(params=p.state.params)
+  sft = p.trainer.init_sft_state(
+      params=p.trainer.base_params if p.trainer.lora else p.state.params)
   for step in range(w.steps):
     if p._preempt.is_set():
       raise Preempted()
@@ -30,4 +33,4 @@ def run(p) -> None:
     if step % 50 == 0 or step == w.steps - 1:
       p.console.message(f"warm-up step {step}: loss {m['loss']:.3f} "
                         f"token accuracy {m['token_accuracy']:.3f}")
-  p.state = p.trainer.init_state(params=sft.params)
+  p.state = p.trainer.init_state(params=sft.params, rng=jax.random.PRNGKey(p.cfg.seed))

@@ -7,6 +7,11 @@
   3. the caller publishes the whole tree with its version in one reference swap, so a
      sampler sees all leaves of a version or none.
 
+What moves is what the trainer publishes (`WeightSync.for_policy`): the full params, or
+for a LoRA policy (model.lora.rank > 0) its adapters alone (rl_jax.model.lora layout),
+which the sampler merges into the base it holds (rl_jax/sampler/lora_merge.py). `bytes`
+counts the published tree in the sampler dtype.
+
 Colocated (both roles on the same devices) copies with `may_alias=False`: the train step
 donates its params, so the sampler must never hold a buffer that aliases them.
 
@@ -32,7 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from rl_jax import model as model_lib
 from rl_jax import sharding as sharding_lib
+from rl_jax.model import lora
 from rl_jax.sampler.engine import resolve_dtype
 
 
@@ -140,6 +147,22 @@ class WeightSync:
                                    self.sampler_shardings, names)
     self._treedef = jax.tree.structure(cast_shapes)
     self._shapes = [s.shape for s in jax.tree.leaves(cast_shapes)]
+
+  @classmethod
+  def for_policy(cls, model_cfg, policy_shapes, **kwargs) -> WeightSync:
+    """The WeightSync of the trainer's published tree `policy_shapes` (arrays or
+    ShapeDtypeStructs): the full params' logical axes, or with LoRA the adapters' (the
+    tree must then be the adapter tree, lora.adapter_shapes). kwargs as __init__."""
+    if not lora.enabled(model_cfg):
+      return cls(logical_axes=model_lib.param_logical_axes(model_cfg),
+                 param_shapes=policy_shapes, **kwargs)
+    want = lora.adapter_shapes(model_cfg)
+    got = jax.tree.map(lambda x: tuple(x.shape), policy_shapes)
+    if got != jax.tree.map(lambda x: tuple(x.shape), want):
+      raise ValueError(f"weight sync: with model.lora.rank={model_cfg.lora_rank} the trainer "
+                       f"publishes the LoRA adapters of {list(model_cfg.lora_targets)} "
+                       f"(lora.adapter_shapes), got a tree with keys {sorted(policy_shapes)}")
+    return cls(logical_axes=lora.logical_axes(model_cfg), param_shapes=policy_shapes, **kwargs)
 
   def start(self, params, version: int) -> tuple[Any, Callable[[], SyncStats]]:
     """Launches the copy without waiting: (sampler_params, a function that blocks until

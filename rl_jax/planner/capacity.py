@@ -21,7 +21,9 @@ batch in flight (max_inflight_groups = groups_per_step) is tried as well.
 Without a pilot profile every model is a roofline prior (rl_jax.planner.models) for the
 config's model preset on `device`, with completion lengths lognormal around
 max_new_tokens / 2 (sigma 0.6), prompts of data.max_prompt_length tokens and verifier
-calls of 1 ms plus the configured injected latency.
+calls of 1 ms plus the configured injected latency. With LoRA (model.lora.rank > 0) the
+trainer prior has no base weight gradients, the weight-sync prior moves the adapters and
+adds the sampler's merge, and memory counts a frozen base (rl_jax.planner.memory).
 
 Tool use: `turns` (a TurnModel: turns per episode, the tool pool of the env.tool config
 section, observation tokens; `turn_model` builds it) makes every rollout an episode of
@@ -88,12 +90,12 @@ class Plan:
 
 
 def model_shape(cfg):
-  """(ModelConfig, parameter count) of the config's model, imported lazily."""
-  from rl_jax.model import presets
+  """(ModelConfig with the run's LoRA fields, parameter count of the base model),
+  imported lazily."""
+  from rl_jax.model import hf_io, presets
   if cfg.model.path:
     import json
     import os
-    from rl_jax.model import hf_io
     path = os.path.join(cfg.model.path, "config.json")
     if not os.path.isfile(path):
       raise PlanError(f"config field 'model.path': {path} does not exist")
@@ -104,7 +106,7 @@ def model_shape(cfg):
       model_cfg = presets.get_preset(cfg.model.preset)
     except ValueError as e:
       raise PlanError(f"config field 'model.preset': {e}") from None
-  return model_cfg, presets.num_params(model_cfg)
+  return model_cfg.replace(**hf_io.lora_fields(cfg.model)), presets.num_params(model_cfg)
 
 
 def layouts(*, devices: int, sampler_tensor: int, trainer_tensor: int) -> list[Layout]:
@@ -167,6 +169,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
                                          num_kv_heads=model_cfg.num_kv_heads,
                                          head_dim=model_cfg.head_dim, dtype=s.dtype)
   weight_bytes = params * memory_lib.DTYPE_BYTES[s.dtype]
+  adapter_params, target_params = memory_lib.lora_sizes(model_cfg)
   if profile is not None:
     prompt = profile.prompt_tokens
     lengths = profile.lengths
@@ -193,9 +196,14 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
     sampler = prior_sampler(params=params, weight_bytes=weight_bytes, kv_bytes_per_token=kv_tok,
                             tensor=t_s, device=device)
     flops = train_flops_per_token(params=params, kl=cfg.trainer.kl_beta > 0,
-                                  extra_forward=cfg.trainer.num_minibatches > 1)
+                                  extra_forward=cfg.trainer.num_minibatches > 1,
+                                  lora_params=adapter_params)
     trainer = prior_trainer(flops_per_token=flops, device=device)
-    sync_s = prior_weight_sync_s(weight_bytes=weight_bytes, tensor=t_s, device=device)
+    # With LoRA only the adapters move, and the sampler merges them into its weights.
+    b_s = memory_lib.DTYPE_BYTES[s.dtype]
+    sync_s = prior_weight_sync_s(
+        weight_bytes=adapter_params * b_s if adapter_params else weight_bytes, tensor=t_s,
+        device=device, merge_bytes=2 * target_params * b_s)
   verifier = VerifierModel(latency=latency, workers=int(cfg.verifier.workers), base_s=base_s,
                            timeout_s=float(cfg.verifier.timeout_s),
                            failure_prob=float(cfg.verifier.failure_prob),

@@ -10,9 +10,22 @@ Sizes (bytes; N = parameters, b(x) = bytes per element of dtype x):
                    the evaluator borrows the generator's KV pool, Generator.lend_pool)
 
   trainer device = N * (4 params + 4 grads + 8 AdamW mu, nu) / D    fp32 master state
-                 + N * 4 / D                       reference params when kl_beta > 0
+                 + N * b(model.param_dtype) / D    reference params when kl_beta > 0
                  + N * b(sampler.dtype) / D        weight-sync staging copy
                  + activations / tensor            one micro-batch, per data shard
+
+With LoRA (model.lora.rank r > 0; P = adapter parameters, lora.num_adapter_params;
+N_t = parameters of the targeted projections, which the sampler merges):
+
+  sampler device = (N * b(sampler.dtype)                  the base, kept once
+                    + 2 * (N_t + P) * b(sampler.dtype)    merged target weights and the
+                                                          published adapters, for the
+                                                          generator and the evaluator each
+                    + KV pool) / tensor
+  trainer device = N * b(model.param_dtype) / D    the frozen base (also the KL reference)
+                 + P * (4 + 4 + 8 + b(sampler.dtype)) / D    adapter masters, grads, AdamW
+                                                             moments, sync staging copy
+                 + activations / tensor            as below, plus x A per target (n_t r b)
 
   D = trainer devices (params, grads and moments are sharded over fsdp x tensor = D).
   Activations of a micro-batch of m rows of length t (the smallest length bucket
@@ -21,6 +34,7 @@ Sizes (bytes; N = parameters, b(x) = bytes per element of dtype x):
     per layer, stored for backward: (4 d + 2 h hd + 2 kv hd + 4 f) b     projections
                                     + h t (4 + b)                        naive attention
                                                                          scores fp32 + probs
+                                    + n_t r b                            LoRA x A (n_t targets)
     logits: vocab (b + 4)                                                logits + fp32 log-softmax
     remat:  per layer only d b, plus one layer's full set for the recompute
 
@@ -31,6 +45,7 @@ Sizes (bytes; N = parameters, b(x) = bytes per element of dtype x):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from rl_jax.sampler import page_table
 from rl_jax.trainer.buckets import pick_bucket
@@ -52,12 +67,25 @@ def kv_pool_bytes(*, sampler_cfg, kv_per_token: int) -> int:
   return int(sampler_cfg.kv_cache_bytes)
 
 
+def lora_sizes(model_cfg) -> tuple[int, int]:
+  """(P adapter parameters, N_t parameters of the targeted weights); (0, 0) without LoRA."""
+  if model_cfg.lora_rank <= 0:
+    return 0, 0
+  from rl_jax.model import lora
+  shapes = lora.adapter_shapes(model_cfg)
+  # a (l, *in, r), b (l, r, *out): the merged weight is (l, *in, *out).
+  targets = sum(math.prod(ab["a"].shape[:-1]) * math.prod(ab["b"].shape[2:])
+                for ab in shapes.values())
+  return lora.num_adapter_params(model_cfg), targets
+
+
 def activation_bytes(*, model_cfg, rows: int, seq_len: int, dtype: str, remat: bool) -> int:
   """Stored activations of one forward over rows x seq_len tokens (formula above)."""
   b = DTYPE_BYTES[dtype]
   d, f, h, k, hd = (model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_heads,
                     model_cfg.num_kv_heads, model_cfg.head_dim)
-  layer = (4 * d + 2 * h * hd + 2 * k * hd + 4 * f) * b + h * seq_len * (4 + b)
+  layer = ((4 * d + 2 * h * hd + 2 * k * hd + 4 * f) * b + h * seq_len * (4 + b)
+           + len(model_cfg.lora_targets) * model_cfg.lora_rank * b)
   logits = model_cfg.vocab_size * (b + 4)
   if remat:
     per_token = model_cfg.num_layers * d * b + layer + logits
@@ -75,6 +103,11 @@ class MemoryEstimate:
   kv_tokens_per_replica: int
   weight_bytes_sampler: int
   activation_bytes: int
+  # Per device, before a colocated layout adds the two roles: the sampler's weights
+  # (with LoRA: base + merged targets + adapters) and KV pool, the trainer's state.
+  sampler_weights_bytes: int = 0
+  kv_pool_bytes: int = 0
+  trainer_state_bytes: int = 0
 
   @property
   def sampler_fits(self) -> bool:
@@ -102,9 +135,15 @@ def estimate(*, cfg, model_cfg, params: int, sampler_tensor: int, trainer_device
                               head_dim=model_cfg.head_dim, dtype=cfg.sampler.dtype)
   pool = kv_pool_bytes(sampler_cfg=cfg.sampler, kv_per_token=kv_tok)
   weights_s = params * sampler_b
-  sampler = (2 * weights_s + pool) // sampler_tensor
-
-  state = params * (4 + 4 + 8 + (4 if cfg.trainer.kl_beta > 0 else 0) + sampler_b)
+  adapter_params, target_params = lora_sizes(model_cfg)
+  base_b = DTYPE_BYTES[cfg.model.param_dtype]
+  if adapter_params:
+    held = weights_s + 2 * (target_params + adapter_params) * sampler_b
+    state = params * base_b + adapter_params * (4 + 4 + 8 + sampler_b)
+  else:
+    held = 2 * weights_s
+    state = params * (4 + 4 + 8 + (base_b if cfg.trainer.kl_beta > 0 else 0) + sampler_b)
+  sampler = (held + pool) // sampler_tensor
   shards = max(trainer_devices // trainer_tensor, 1)
   batch = cfg.rl.groups_per_step * cfg.rl.group_size
   rows = max(-(-(cfg.trainer.micro_batch_size or batch) // shards), 1)
@@ -113,9 +152,13 @@ def estimate(*, cfg, model_cfg, params: int, sampler_tensor: int, trainer_device
   acts = activation_bytes(model_cfg=model_cfg, rows=rows, seq_len=seq_len,
                           dtype=cfg.model.dtype, remat=model_cfg.remat == "full")
   trainer = state // trainer_devices + acts // trainer_tensor
+  parts = dict(sampler_weights_bytes=int(held // sampler_tensor),
+               kv_pool_bytes=int(pool // sampler_tensor),
+               trainer_state_bytes=int(state // trainer_devices))
   if colocated:
     sampler = trainer = sampler + trainer
   return MemoryEstimate(sampler_bytes=int(sampler), trainer_bytes=int(trainer),
                         limit_bytes=int(usable_fraction * memory_gib * 2**30),
                         kv_tokens_per_replica=int(pool // kv_tok),
-                        weight_bytes_sampler=int(weights_s), activation_bytes=int(acts))
+                        weight_bytes_sampler=int(weights_s), activation_bytes=int(acts),
+                        **parts)

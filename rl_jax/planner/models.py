@@ -217,8 +217,13 @@ class TurnModel:
     return [base + (i < extra) for i in range(k)]
 
 
-def train_flops_per_token(*, params: int, kl: bool, extra_forward: bool) -> float:
-  """6N for forward + backward, plus 2N per extra forward (reference model, pi_prox)."""
+def train_flops_per_token(*, params: int, kl: bool, extra_forward: bool,
+                          lora_params: int = 0) -> float:
+  """6N for forward + backward, plus 2N per extra forward (reference model, pi_prox).
+  With LoRA (P = lora_params > 0) the frozen N need no weight gradients: 4N (forward,
+  activation gradients) + 6P for the adapters, plus the extra forwards."""
+  if lora_params:
+    return params * (4.0 + 2.0 * kl + 2.0 * extra_forward) + 6.0 * lora_params
   return params * (6.0 + 2.0 * kl + 2.0 * extra_forward)
 
 
@@ -247,6 +252,11 @@ def prior_trainer(*, flops_per_token: float, device: DeviceSpec,
                       scaling_efficiency=scaling_efficiency)
 
 
-def prior_weight_sync_s(*, weight_bytes: int, tensor: int, device: DeviceSpec) -> float:
-  """Each sampler device receives its 1/tensor shard over its link: 10 ms + bytes / bw."""
-  return 0.01 + weight_bytes / (tensor * device.link_bytes_per_s)
+def prior_weight_sync_s(*, weight_bytes: int, tensor: int, device: DeviceSpec,
+                        merge_bytes: int = 0) -> float:
+  """Each sampler device receives its 1/tensor shard over its link: 10 ms + bytes / bw;
+  with LoRA (weight_bytes = the adapters') plus the merge, memory-bound:
+  merge_bytes / (tensor * hbm_bw), merge_bytes = 2 * targeted weight bytes (read W0,
+  write W)."""
+  return (0.01 + weight_bytes / (tensor * device.link_bytes_per_s)
+          + merge_bytes / (tensor * device.hbm_bytes_per_s))

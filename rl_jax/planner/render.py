@@ -45,6 +45,11 @@ def format_plan(plan: Plan) -> str:
                f"max_inflight_groups {best.max_inflight_groups}): "
                f"{p.trained_rollouts_per_hour:.4g} useful rollouts/h, "
                f"{p.steps_per_hour:.4g} steps/h, {best.diagnosis}")
+  m = best.memory
+  lines.append(f"  memory per device (GiB): sampler weights {m.sampler_weights_bytes / GIB:.2f} + "
+               f"KV {m.kv_pool_bytes / GIB:.2f}; trainer state {m.trainer_state_bytes / GIB:.2f} + "
+               f"activations {m.activation_bytes / GIB:.2f} (per data shard)"
+               + ("; colocated: their sum" if best.layout.colocated else ""))
   hist = ", ".join(f"{k}: {100 * v / max(sum(p.staleness_histogram.values()), 1):.0f}%"
                    for k, v in p.staleness_histogram.items())
   lines.append(f"  staleness of trained groups {{{hist}}}; weight sync {100 * p.weight_sync_frac:.1f}% "

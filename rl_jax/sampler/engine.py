@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.model.presets import resolve_dtype  # the one dtype-auto rule (re-exported)
-from rl_jax.sampler import decode, extend
+from rl_jax.sampler import decode, extend, lora_merge
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill as prefill_lib
 from rl_jax.sampler import prefill_lane as prefill_lane_lib
@@ -121,7 +121,8 @@ class Engine:
   (decode only the first k slots when few are busy, reading only the pages they use),
   apply_and_generate (prompts in a prefill lane of up to `prefill_lane` tokens, default
   twice max_prefill_length, in one of lane_sizes; then updates staged in an
-  updates.Pending, then generate: the Generator's one dispatch per pass), pad_tokens.
+  updates.Pending, then generate: the Generator's one dispatch per pass), pad_tokens,
+  set_base (a LoRA policy's frozen base, after which load_params merges adapters).
   Every device method is jitted once per input shape (prefill once per length bucket,
   generate once per (slot bucket, page-width bucket, truncation) it is called with, and
   apply_and_generate once per such key without the lane and once per lane size used).
@@ -191,6 +192,7 @@ class Engine:
     self.prefix_shardings = Prefix(prefix_sh, prefix_sh, shd.replicated(mesh),
                                    shd.replicated(mesh))
     self._generate: dict[tuple, Any] = {}  # (k, w, u, fused, truncate, lane) -> jitted
+    self.merger: lora_merge.Merger | None = None  # a LoRA policy's base (set_base)
     self._build_programs()
 
   def _build_programs(self) -> None:
@@ -334,17 +336,47 @@ class Engine:
     (decode.layer_params: no slice copy per step), stacked with scanned layers."""
     return decode.unstack_layers(params) if self.layers == "unrolled" else params
 
-  def load_params(self, params: Any = None, *, rng: jax.Array | None = None) -> Any:
+  def load_params(self, params: Any = None, *, rng: jax.Array | None = None,
+                  reuse: Any = None, after: Any = None) -> Any:
     """`params` (stacked layers, as the model and trainer hold them, or already in the
     sampler layout) cast to the sampler dtype, placed with the sampler shardings (no
     copy when already there) and in the sampler's layer layout (`_layout`: one copy of
-    the layer weights when it unstacks); random weights from `rng` when params is None."""
+    the layer weights when it unstacks); random weights from `rng` when params is None.
+    A LoRA adapter tree (after set_base) is merged into the base (lora_merge.py), in place
+    of `reuse` (decode weights of an earlier merge nobody reads again) once `after` is
+    ready."""
+    if self.merges(params):
+      return self.merger.merge(params, reuse=reuse, after=after)
     if params is None:
       return self._init_params(jax.random.key(0) if rng is None else rng)
     stacked = self.layers == "unrolled" and not isinstance(params["layers"], (tuple, list))
     placed = jax.tree.map(lambda x, s: jax.device_put(x.astype(self.kv_dtype), s), params,
                           self.stacked_shardings if stacked else self.param_shardings)
     return self._unstack(placed) if stacked else placed
+
+  def set_base(self, base_params: Any) -> None:
+    """The frozen base of a LoRA policy (stacked layers, any placement), once: copied in
+    the sampler dtype and decode layout onto the sampler devices (never aliasing the
+    caller's buffers). From then on load_params merges adapter trees into it."""
+    if self.merger is not None:
+      raise ValueError("the sampler's LoRA base is set once per engine")
+    if lora_merge.is_adapters(base_params):
+      raise ValueError("set_base takes the base model's params, got an adapter tree")
+    unrolled = self.layers == "unrolled"  # (unstacking copies anyway)
+    placed = jax.device_put(jax.tree.map(lambda x: x.astype(self.kv_dtype), base_params),
+                            self.stacked_shardings, may_alias=None if unrolled else False)
+    base = self._unstack(placed) if unrolled else placed
+    self.merger = lora_merge.Merger(self.model_cfg, base, self.param_shardings,
+                                    mesh=self._mesh, rules=self._rules)
+
+  def merges(self, params: Any) -> bool:
+    """Whether load_params(params) merges an adapter tree (a LoRA policy's publication)."""
+    if not lora_merge.is_adapters(params):
+      return False
+    if self.merger is None:
+      raise ValueError("LoRA adapters reached the sampler before its base: call "
+                       "Engine.set_base(base_params) first")
+    return True
 
   def sampler_params(self, params: Any) -> Any:
     """params as the device programs take them: load_params when they still hold

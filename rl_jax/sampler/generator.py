@@ -94,6 +94,7 @@ class Generator(turns_lib.TurnsMixin):
     if not 1 <= self.max_new_tokens <= engine.max_new_tokens:
       raise ValueError(f"max_new_tokens {self.max_new_tokens} outside 1..{engine.max_new_tokens}")
     self._clock = clock
+    self._merged = engine.merges(params)  # _params is this generator's own merge
     self._params = engine.load_params(params)
     self._version = int(version)
     self._pending_params: tuple[Any, int] | None = None
@@ -156,8 +157,10 @@ class Generator(turns_lib.TurnsMixin):
         sum(self._resume_pages(s) for s in self._resuming) + len(self._parked))
 
   def update_params(self, params: Any, version: int) -> None:
-    """Publish new weights; safe from any thread. Swapped in by the next step()."""
-    params = self.engine.load_params(params)
+    """Publish new weights; safe from any thread. Swapped in by the next step()
+    (LoRA adapters are merged there, into the weights they replace)."""
+    if not self.engine.merges(params):
+      params = self.engine.load_params(params)
     with self._lock:
       self._pending_params = (params, int(version))
 
@@ -289,8 +292,13 @@ class Generator(turns_lib.TurnsMixin):
         return
       if not self.inflight_weight_updates and self._num_decoding:
         return
-      self._params, self._version = self._pending_params
+      params, self._version = self._pending_params
       self._pending_params = None
+    merged = self.engine.merges(params)
+    if merged:  # the call on the device finishes first: the merge is timed alone
+      params = self.engine.load_params(params, reuse=self._params if self._merged else None,
+                                       after=self._inflight and self._inflight.out)
+    self._params, self._merged = params, merged
     if not self.inflight_weight_updates:
       # Nothing is running; prompts cached under the old weights are prefilled again.
       for g in self._groups:

@@ -29,6 +29,13 @@ cross-entropy on completion tokens and its own optimizer (constant
 `sft_learning_rate`, the trainer's b1 / b2 / weight decay / clip). Its state comes
 from `init_sft_state`; after the warm-up, `init_state(params=sft_state.params)` starts
 RL with fresh Adam moments (and, when kl_beta > 0, the warmed-up params as reference).
+
+LoRA (model_cfg.lora_rank > 0): `init_state(params=base)` freezes the base as
+`base_params` (model.param_dtype, TRAIN_RULES shardings; a step argument, not donated, and
+the KL reference) and the state's `params` are the adapters (rl_jax.model.lora; float32,
+Adam only for them), the only tree differentiated. lora_dropout keys fold in the state's
+step, minibatch and micro-batch (update forwards only). The warm-up trains the full
+model: the base that LoRA RL starts from.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.model import attention as attention_lib
+from rl_jax.model import lora
 from rl_jax.trainer import buckets
 from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
@@ -54,7 +62,7 @@ from rl_jax.types import Group
 
 class TrainState(NamedTuple):
   """Trainer state; every leaf lives on the trainer mesh."""
-  params: Any  # float32 master params, TRAIN_RULES shardings
+  params: Any  # float32 master params (the adapters under LoRA), TRAIN_RULES shardings
   opt_state: Any  # optax state (Adam moments sharded like params)
   step: jax.Array  # int32: step / sft_step calls completed
   skipped: jax.Array  # int32: optimizer updates skipped for a non-finite loss or gradient
@@ -128,47 +136,76 @@ class Trainer:
     self.sft_optimizer = opt_lib.make_optimizer(learning_rate=self.sft_learning_rate, **common)
 
     self.replicated = shd.replicated(mesh)
-    master_shapes = jax.tree.map(
+    self.lora = lora.enabled(model_cfg)
+    full_shapes = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
         jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.key(0))))
+    # Shardings of the full model's weights: the base under LoRA, the warm-up's params.
+    self.full_shardings = shd.tree_shardings(
+        model.param_logical_axes(model_cfg), full_shapes, mesh, shd.TRAIN_RULES)
+    # state.params: the adapters under LoRA, else the full model.
+    master_shapes = lora.adapter_shapes(model_cfg) if self.lora else full_shapes
     self.param_shardings = shd.tree_shardings(
-        model.param_logical_axes(model_cfg), master_shapes, mesh, shd.TRAIN_RULES)
-    self.state_shardings = self._state_shardings(self.optimizer, master_shapes)
-    self.sft_state_shardings = self._state_shardings(self.sft_optimizer, master_shapes)
+        lora.logical_axes(model_cfg) if self.lora else model.param_logical_axes(model_cfg),
+        master_shapes, mesh, shd.TRAIN_RULES)
+    self.state_shardings = self._state_shardings(self.optimizer, master_shapes,
+                                                 self.param_shardings)
+    self.sft_state_shardings = self._state_shardings(self.sft_optimizer, full_shapes,
+                                                     self.full_shardings)
     self._batch_spec = shd.batch_sharding(mesh, shd.TRAIN_RULES, 1).spec
+    self.ref_params = ()
+    self.base_params = ()
+    self._build_programs()
+
+  def _build_programs(self) -> None:
+    """The jitted initialisers, steps and probes, with their shardings and donation."""
     grpo_sh = {k: self._batch_sharding(k) for k in GRPO_KEYS}
     sft_sh = {k: self._batch_sharding(k) for k in SFT_KEYS}
-    ref_sh = self.param_shardings if self.cfg.kl_beta > 0 else ()
-    self.ref_params = ()
-
-    # Jitted initialisers per optimizer: from an rng, or from given params.
+    # The steps' frozen argument: the base under LoRA (also the KL reference), else the
+    # reference policy when kl_beta > 0, else nothing.
+    frozen_sh = self.full_shardings if self.lora or self.cfg.kl_beta > 0 else ()
+    # Jitted initialisers per optimizer: from an rng, or from given params (LoRA RL:
+    # adapters from an rng only).
     self._inits = {}
-    for name, optimizer, sh in (("rl", self.optimizer, self.state_shardings),
-                                ("sft", self.sft_optimizer, self.sft_state_shardings)):
+    full_ft = (("sft", self.sft_optimizer, self.sft_state_shardings),)
+    if self.lora:
+      self._inits["rl"] = (jax.jit(self._init_adapters, in_shardings=(self.replicated,),
+                                   out_shardings=self.state_shardings), None)
+    else:
+      full_ft += (("rl", self.optimizer, self.state_shardings),)
+    for name, optimizer, sh in full_ft:
       self._inits[name] = (
           jax.jit(self._make_init(optimizer, from_rng=True), in_shardings=(self.replicated,),
                   out_shardings=sh),
           jax.jit(self._make_init(optimizer, from_rng=False),
-                  in_shardings=(self.param_shardings,), out_shardings=sh))
-    # The reference is frozen: stored in model.param_dtype, cast to the compute dtype
-    # where it runs (forward only).
-    ref_dtype = jnp.dtype(model_cfg.param_dtype)
-    self._make_ref = jax.jit(
-        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(ref_dtype)), p),
-        in_shardings=(self.param_shardings,), out_shardings=self.param_shardings)
+                  in_shardings=(self.full_shardings,), out_shardings=sh))
+    # Frozen weights (reference, LoRA base): stored in model.param_dtype, cast to the
+    # compute dtype where they run (forward only).
+    frozen_dtype = jnp.dtype(self.model_cfg.param_dtype)
+    self._freeze = jax.jit(
+        lambda p: jax.tree.map(lambda x: jnp.copy(x.astype(frozen_dtype)), p),
+        in_shardings=(self.full_shardings,), out_shardings=self.full_shardings)
+    # A random base is the full model's float32 init (the same draw), then frozen.
+    self._random_base = jax.jit(
+        lambda k: jax.tree.map(lambda x: x.astype(frozen_dtype), model.init_params(
+            self.model_cfg.replace(param_dtype="float32"), k)),
+        in_shardings=(self.replicated,), out_shardings=self.full_shardings)
     self._step = jax.jit(
-        self._train_step, in_shardings=(self.state_shardings, grpo_sh, ref_sh, self.replicated),
+        self._train_step,
+        in_shardings=(self.state_shardings, grpo_sh, frozen_sh, self.replicated),
         out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
     self._sft_step = jax.jit(
         self._sft_step_fn, in_shardings=(self.sft_state_shardings, sft_sh),
         out_shardings=(self.sft_state_shardings, self.replicated), donate_argnums=(0,))
     self._loss_and_grad = jax.jit(
         self._loss_and_grad_fn,
-        in_shardings=(self.param_shardings, grpo_sh, grpo_sh["behavior_logprobs_bt"], ref_sh),
+        in_shardings=(self.param_shardings, grpo_sh, grpo_sh["behavior_logprobs_bt"],
+                      frozen_sh),
         out_shardings=(self.replicated, self.param_shardings))
     self._logprobs = jax.jit(
         self._logprobs_fn,
-        in_shardings=(self.param_shardings, {k: grpo_sh[k] for k in ROW_KEYS}),
+        in_shardings=(self.param_shardings, {k: grpo_sh[k] for k in ROW_KEYS},
+                      self.full_shardings if self.lora else ()),
         out_shardings=grpo_sh["mask_bt"])
 
   def _check_cfg(self):
@@ -195,13 +232,13 @@ class Trainer:
       return False
     return True
 
-  def _state_shardings(self, optimizer, master_shapes) -> TrainState:
+  def _state_shardings(self, optimizer, master_shapes, param_shardings) -> TrainState:
     opt_shapes = jax.eval_shape(optimizer.init, master_shapes)
     opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_shapes, self.param_shardings,
+        optimizer, lambda _, s: s, opt_shapes, param_shardings,
         transform_non_params=lambda _: self.replicated,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return TrainState(params=self.param_shardings, opt_state=opt_sh, step=self.replicated,
+    return TrainState(params=param_shardings, opt_state=opt_sh, step=self.replicated,
                       skipped=self.replicated)
 
   def _batch_sharding(self, key: str) -> NamedSharding:
@@ -236,22 +273,36 @@ class Trainer:
                         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
     return init
 
+  def _init_adapters(self, rng) -> TrainState:
+    """LoRA RL state: fresh adapters (lora.init_adapters) and their Adam moments."""
+    self._traces["init"] += 1
+    adapters = lora.init_adapters(self.model_cfg, rng)
+    return TrainState(params=adapters, opt_state=self.optimizer.init(adapters),
+                      step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+
   def _init(self, name, params, rng):
     from_rng, from_params = self._inits[name]
     if params is None:
       return from_rng(jax.random.key(0) if rng is None else rng)
-    return from_params(jax.device_put(params, self.param_shardings))
+    return from_params(jax.device_put(params, self.full_shardings))
 
   def init_state(self, params=None, rng=None) -> TrainState:
     """RL state from `params` (any placement; copied) or a fresh init from `rng`.
 
     When trainer.kl_beta > 0 it also stores a frozen copy of the initial params as the
-    reference policy.
+    reference policy. Under LoRA the full-model params (given, or drawn from `rng`)
+    become the frozen `base_params` and the state trains fresh adapters drawn from
+    fold_in(rng, 1); the base is then also the reference.
     """
-    state = self._init("rl", params, rng)
-    if self.cfg.kl_beta > 0:
-      self.ref_params = self._make_ref(state.params)
-    return state
+    if not self.lora:
+      state = self._init("rl", params, rng)
+      if self.cfg.kl_beta > 0:
+        self.ref_params = self._freeze(state.params)
+      return state
+    rng = jax.random.key(0) if rng is None else rng
+    self.base_params = (self._random_base(rng) if params is None
+                        else self._freeze(jax.device_put(params, self.full_shardings)))
+    return self._inits["rl"][0](jax.random.fold_in(rng, 1))
 
   def init_sft_state(self, params=None, rng=None) -> TrainState:
     """Supervised warm-up state (its own optimizer, constant sft_learning_rate)."""
@@ -261,14 +312,21 @@ class Trainer:
     """The rows' segment ids when packed (attention and per-sequence sums use them)."""
     return rows["segment_ids_bt"] if self.packed else None
 
-  def _token_stats(self, params, rows) -> model.TokenStats:
-    """Log-probs, entropy and greedy hits of rows["tokens_bt"] (ROW_KEYS); the lm head
-    runs in chunks of trainer.logprob_chunk_len positions, so [b, t, v] logits never exist."""
+  def _policy(self, params, frozen) -> tuple[Any, Any]:
+    """(full-model weights, adapters or None) of the policy whose trained tree is
+    `params`, `frozen` being the step's frozen argument (the base under LoRA)."""
+    return (frozen, params) if self.lora else (params, None)
+
+  def _token_stats(self, weights, rows, adapters=None, dropout_rng=None) -> model.TokenStats:
+    """Log-probs, entropy and greedy hits of rows["tokens_bt"] (ROW_KEYS) under the
+    full-model `weights` (plus LoRA `adapters`); the lm head runs in chunks of
+    trainer.logprob_chunk_len positions, so [b, t, v] logits never exist."""
     # Casting before the forward makes FSDP gather compute-dtype (e.g. bf16) shards.
-    params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-    x_bte = model.hidden_states(self.model_cfg, params, rows["tokens_bt"],
-                                rows["positions_bt"], self._segments(rows))
-    return model.token_stats(self.model_cfg, params, x_bte, rows["tokens_bt"],
+    weights = jax.tree.map(lambda p: p.astype(self.compute_dtype), weights)
+    x_bte = model.hidden_states(self.model_cfg, weights, rows["tokens_bt"],
+                                rows["positions_bt"], self._segments(rows),
+                                adapters=adapters, dropout_rng=dropout_rng)
+    return model.token_stats(self.model_cfg, weights, x_bte, rows["tokens_bt"],
                              chunk_len=self.logprob_chunk_len,
                              recompute=self.head_recomputes(rows["tokens_bt"].shape))
 
@@ -279,23 +337,29 @@ class Trainer:
     saved = np.prod(shape_bt) * self.model_cfg.vocab_size * self.compute_dtype.itemsize
     return saved / self.dp > self.logprob_save_bytes
 
-  def _chunked_logprobs(self, params, rows):
+  def _chunked_logprobs(self, rows, weights, adapters=None):
     """Log-probs of a whole batch without gradient, one micro-batch at a time."""
     b = rows["tokens_bt"].shape[0]
     n = b // (self.micro_batch_size or b)
     chunks = {k: self._split(rows[k], n) for k in ROW_KEYS}
-    logp = jax.lax.map(lambda c: self._token_stats(params, c).logp_bt, chunks)
+    logp = jax.lax.map(lambda c: self._token_stats(weights, c, adapters).logp_bt, chunks)
     return jax.lax.stop_gradient(_merge_rows(logp))
 
-  def _accumulate(self, params, mb, loss_fn):
-    """Sum of loss, stats and gradients over the micro-batches of minibatch `mb`."""
+  def _accumulate(self, params, mb, loss_fn, shardings):
+    """Sum of loss, stats and gradients (laid out as `shardings`) over the micro-batches
+    of minibatch `mb`. An "rng" entry of `mb` (a key) is split into one key per
+    micro-batch, passed to loss_fn as mc["rng"]."""
+    mb = dict(mb)
+    rng = mb.pop("rng", None)
     rows = self.micro_batch_size or mb["tokens_bt"].shape[0]
     micro = {k: self._split(v, v.shape[0] // rows) for k, v in mb.items()}
+    if rng is not None:
+      micro["rng"] = jax.random.split(rng, mb["tokens_bt"].shape[0] // rows)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def body(grads, mc):
       (loss, stats), g = grad_fn(params, mc)
-      g = jax.lax.with_sharding_constraint(g, self.param_shardings)
+      g = jax.lax.with_sharding_constraint(g, shardings)
       return jax.tree.map(jnp.add, grads, g), (loss, stats)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -312,9 +376,10 @@ class Trainer:
     update_norm = jnp.where(finite, _global_norm(updates), 0.0)
     return params, opt_state, finite, grad_norm, update_norm
 
-  def _grpo_micro_loss(self, params, mc, policy_version):
+  def _grpo_micro_loss(self, params, mc, frozen, policy_version):
     c = self.cfg
-    head_out = self._token_stats(params, mc)
+    weights, adapters = self._policy(params, frozen)
+    head_out = self._token_stats(weights, mc, adapters, mc.get("rng"))
     logp_bt = head_out.logp_bt
     prox_bt = mc.get("prox_bt", logp_bt)
     loss, stats = grpo.grpo_loss(
@@ -331,41 +396,47 @@ class Trainer:
         versions_bt=mc["versions_bt"], policy_version=policy_version))
     return loss, stats
 
-  def _minibatch_grads(self, params, mb, policy_version):
+  def _minibatch_grads(self, params, mb, frozen, policy_version):
     """GRPO loss, stats and gradient of one minibatch, aggregated over all its rows."""
     mb = dict(mb, weights_bt=grpo.loss_weights(
         mask_bt=mb["mask_bt"], loss_agg=self.cfg.loss_agg, max_len=self.loss_norm_len,
         seg_bt=self._segments(mb)))
-    return self._accumulate(
-        params, mb, functools.partial(self._grpo_micro_loss, policy_version=policy_version))
+    loss_fn = functools.partial(self._grpo_micro_loss, frozen=frozen,
+                                policy_version=policy_version)
+    return self._accumulate(params, mb, loss_fn, self.param_shardings)
 
-  def _loss_and_grad_fn(self, params, batch, prox_bt, ref_params):
-    """GRPO loss of the whole batch with a given pi_prox, and its gradient."""
+  def _loss_and_grad_fn(self, params, batch, prox_bt, frozen):
+    """GRPO loss of the whole batch with a given pi_prox, and its gradient (no LoRA
+    dropout: the loss is a deterministic function of params)."""
     self._traces["loss_and_grad"] += 1
     data = dict(batch, prox_bt=prox_bt)
     if self.cfg.kl_beta > 0:
-      data["ref_bt"] = self._chunked_logprobs(ref_params, batch)
-    grads, loss, _ = self._minibatch_grads(params, data, policy_version=-1)
+      data["ref_bt"] = self._chunked_logprobs(batch, frozen)
+    grads, loss, _ = self._minibatch_grads(params, data, frozen, policy_version=-1)
     return loss, grads
 
-  def _train_step(self, state: TrainState, batch, ref_params, policy_version):
+  def _train_step(self, state: TrainState, batch, frozen, policy_version):
     """num_minibatches GRPO updates (module docstring); metrics are token means over the
     whole batch except loss / pg_loss / grad_norm / update_norm (means over minibatches)
-    and logprob_mismatch_max (a max)."""
+    and logprob_mismatch_max (a max). `frozen`: the LoRA base, else the reference (or ())."""
     self._traces["step"] += 1
     nm = self.num_minibatches
     data = dict(batch)
     if nm > 1:
-      data["prox_bt"] = self._chunked_logprobs(state.params, batch)
+      data["prox_bt"] = self._chunked_logprobs(batch, *self._policy(state.params, frozen))
     if self.cfg.kl_beta > 0:
-      data["ref_bt"] = self._chunked_logprobs(ref_params, batch)
+      # The reference: the frozen base under LoRA (no adapters), else the frozen copy.
+      data["ref_bt"] = self._chunked_logprobs(batch, frozen)
     minibatches = {k: self._split(v, nm) for k, v in data.items()}
+    if self.lora and self.model_cfg.lora_dropout > 0:
+      key = jax.random.fold_in(jax.random.key(0), state.step)
+      minibatches["rng"] = jax.random.split(key, nm)
     # Updates applied so far (each step attempts nm), which is where the schedule stands.
     applied_before = state.step * nm - state.skipped
 
     def update(carry, mb):
       params, opt_state, skipped = carry
-      grads, loss, stats = self._minibatch_grads(params, mb, policy_version)
+      grads, loss, stats = self._minibatch_grads(params, mb, frozen, policy_version)
       params, opt_state, finite, grad_norm, update_norm = self._apply_update(
           self.optimizer, params, opt_state, grads, loss)
       skipped = skipped + (~finite).astype(jnp.int32)
@@ -409,7 +480,8 @@ class Trainer:
     self._traces["sft_step"] += 1
     mb = dict(batch, weights_bt=grpo.loss_weights(mask_bt=batch["mask_bt"],
                                                   loss_agg="token_mean", max_len=1))
-    grads, loss, stats = self._accumulate(state.params, mb, self._sft_micro_loss)
+    grads, loss, stats = self._accumulate(state.params, mb, self._sft_micro_loss,
+                                          self.full_shardings)
     params, opt_state, finite, grad_norm, update_norm = self._apply_update(
         self.sft_optimizer, state.params, state.opt_state, grads, loss)
     skipped = state.skipped + (~finite).astype(jnp.int32)
@@ -420,10 +492,10 @@ class Trainer:
     return TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                       skipped=skipped), metrics
 
-  def _logprobs_fn(self, params, rows):
+  def _logprobs_fn(self, params, rows, base):
     """logp_bt[:, t] = log pi(tokens_bt[:, t + 1]) without gradient."""
     self._traces["logprobs"] += 1
-    return self._chunked_logprobs(params, rows)
+    return self._chunked_logprobs(rows, *self._policy(params, base))
 
   def make_train_batch(self, groups: Sequence[Group], *, mask_truncated: bool = False
                        ) -> TrainBatch:
@@ -468,10 +540,13 @@ class Trainer:
                   advantages_bt=jnp.float32, versions_bt=jnp.int32)
     return {k: jax.ShapeDtypeStruct((rows, row_len), dtypes[k]) for k in GRPO_KEYS}
 
-  def _reference(self):
-    if self.cfg.kl_beta > 0 and not self.ref_params:
+  def _frozen(self):
+    """The steps' frozen argument: the LoRA base, else the reference policy (or ())."""
+    if self.lora and not self.base_params:
+      raise ValueError("model.lora.rank > 0 needs the base params: call init_state first")
+    if not self.lora and self.cfg.kl_beta > 0 and not self.ref_params:
       raise ValueError("trainer.kl_beta > 0 needs reference params: call init_state first")
-    return self.ref_params
+    return self.base_params if self.lora else self.ref_params
 
   def step(self, state: TrainState, batch: TrainBatch, *, policy_version: int = -1
            ) -> tuple[TrainState, dict[str, float]]:
@@ -490,7 +565,7 @@ class Trainer:
     version = jax.device_put(np.int32(policy_version), self.replicated)
     layout, extra = self._layout_metrics(batch)
     state, metrics = self._step(state, self._device_batch(batch, GRPO_KEYS, layout),
-                                self._reference(), version)
+                                self._frozen(), version)
     extra.update(zero_var_groups=float(batch.zero_var_groups),
                  rollouts=float(batch.num_rollouts))
 
@@ -510,14 +585,16 @@ class Trainer:
     return state, out
 
   def logprobs(self, params, batch: TrainBatch) -> jax.Array:
-    """logp_bt of the batch's tokens under `params` (trainer shardings), position-aligned
-    with the batch's own (padded) rows."""
+    """logp_bt of the batch's tokens under `params` (trainer shardings; adapters on
+    base_params under LoRA), position-aligned with the batch's own (padded) rows."""
     padded = self.layouts(batch)[1]
-    return self._logprobs(params, self._device_batch(batch, ROW_KEYS, padded))
+    return self._logprobs(params, self._device_batch(batch, ROW_KEYS, padded),
+                          self._frozen() if self.lora else ())
 
   def loss_and_grad(self, params, batch: TrainBatch, prox_logprobs_bt: jax.Array
                     ) -> tuple[jax.Array, Any]:
-    """The GRPO loss of the whole batch as one minibatch, and its gradient in params.
+    """The GRPO loss of the whole batch as one minibatch, and its gradient in params
+    (the adapters under LoRA).
 
     pi_prox is given (e.g. `logprobs(params0, batch)`, the batch's padded rows) rather
     than recomputed, so the loss is a smooth function of `params` (for gradient checks
@@ -527,4 +604,4 @@ class Trainer:
     prox_bt = jax.device_put(layout.scatter(np.asarray(jax.device_get(prox_logprobs_bt)), 0.0),
                              self._batch_sharding("behavior_logprobs_bt"))
     return self._loss_and_grad(params, self._device_batch(batch, GRPO_KEYS, layout), prox_bt,
-                               self._reference())
+                               self._frozen())
