@@ -98,6 +98,13 @@ def get_config(arg=None):
   c.rl.max_oversample = 4  # filtering samples at most this many x the batch per step
   c.rl.overlong = "none"  # none | mask (truncated completions out of the loss) | penalty
   c.rl.overlong_buffer = 0  # penalty: tokens before the limit where the penalty ramps
+  # Live capacity control (rl_jax/orchestration/control.py): off | admission | auto.
+  # admission: every control_every optimizer steps the planner's models are refitted from
+  # the run's own recent metrics and set the async admission bound and the decode slots in
+  # use (within the config's limits and the staleness rule). auto: admission in async
+  # mode, off in sync mode (which it never changes).
+  c.rl.control = "auto"
+  c.rl.control_every = 20  # optimizer steps per control window
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on generated demonstrations before RL

@@ -14,7 +14,7 @@
 Nothing here imports the model, sampler or trainer at import time.
 """
 from rl_jax.planner.capacity import (Candidate, Layout, Plan, PlanError, layouts, load_profile,
-                                     overrides, plan, scenario, turn_model, validate)
+                                     overrides, plan, refit, scenario, turn_model, validate)
 from rl_jax.planner.memory import MemoryEstimate, estimate, kv_bytes_per_token
 from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, SamplerModel, TrainerModel,
                                    TurnModel, VerifierModel)

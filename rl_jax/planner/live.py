@@ -1,0 +1,163 @@
+"""Planning inside a run (rl.control): the next window's admission bound and decode slots,
+the window-ahead check of the prediction, and advice for what only a restart can change.
+
+A window is the metrics rows of the last rl.control_every optimizer steps plus the row
+before them (`window_pilot`); `capacity.refit` fits the planner's models from it, the
+same fit as plan.py --profile / --validate. Every prediction simulates the run's own
+configuration (capacity.scenario on its layout) for 2 windows from an empty pipeline and
+reads the steady state of the second (`profile.steady_state` over the last half of the
+rows), which is what the next window of the warm run measures.
+
+  decide   admission bounds b in admission_range() = [lo, hi] (StalenessPolicy: never
+           above the staleness rule), up to 5 values evenly spaced, at every decode
+           slot; then slot limits k in {S, S/2, S/4} (S = sampler.max_concurrent_decodes,
+           k >= group_size) at the chosen b. Each pick is the smallest value whose
+           predicted steps/hour is within `tolerance` of the best: the fewest groups in
+           flight (least staleness, fewest discards) that keeps the trainer as busy,
+           i.e. sampling rate lambda ~= training rate mu at the configured bound.
+  errors   (predicted - measured) / max(measured, floor) of steps/hour, queue depth and
+           staleness, floor 1 for the last two (means that can be 0), else 1e-9.
+  advise   the run's configuration against other sampler/trainer splits of the same
+           devices, weight_sync_every in {1, 2, 4} and group sizes G/2 and 2G at the same
+           rollouts per step (groups_per_step x G), all at the same max_staleness: the
+           best one when it predicts >= min_gain more optimizer steps per hour, as the
+           --config overrides to restart with; else None.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rl_jax.planner import capacity
+from rl_jax.planner import profile as profile_lib
+from rl_jax.planner.models import DEVICES, DeviceSpec
+from rl_jax.planner.simulate import simulate
+
+CHECKED = ("steps_per_hour", "queue_depth_mean", "staleness_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """Settings for the next window and what the planner predicts for it."""
+  admission_bound: int
+  decode_slots: int
+  predicted: dict  # profile.steady_state keys of the simulated window
+  simulations: int
+
+
+def window_pilot(cfg, rows: list[dict], counts: dict | None = None) -> profile_lib.Pilot:
+  """A Pilot of one window: rows[0] is the row before the window. `counts`: the
+  window's increase of groups_completed, groups_filtered_zero_variance and
+  groups_uniform_capped (the filter rate's inputs)."""
+  return profile_lib.Pilot(workdir="(this run's last window)", cfg=cfg, rows=list(rows),
+                           summary=dict(counts or {}))
+
+
+def _tensor(sub) -> int:
+  return int(sub.get("tensor", 1))
+
+
+def predict(cfg, profile, *, num_steps: int, layout=None, max_inflight_groups=None,
+            decode_slots: int | None = None, device: DeviceSpec = DEVICES["h200"]) -> dict:
+  """profile.steady_state of the last half of a simulated run of `num_steps` steps."""
+  model_cfg, params = capacity.model_shape(cfg)
+  sc = capacity.scenario(cfg, layout=layout or capacity.pilot_layout(cfg), profile=profile,
+                         model_cfg=model_cfg, params=params, device=device,
+                         num_steps=num_steps, max_inflight_groups=max_inflight_groups)
+  if decode_slots is not None:
+    sc = dataclasses.replace(sc, decode_slots=min(int(decode_slots), sc.decode_slots))
+  return profile_lib.steady_state(simulate(sc).rows, skip_frac=0.5)
+
+
+def _smallest_near_best(options: list[int], preds: list[dict], tolerance: float) -> int:
+  best = max(p["steps_per_hour"] for p in preds)
+  return min(o for o, p in zip(options, preds) if p["steps_per_hour"] >= (1 - tolerance) * best)
+
+
+def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
+           device: DeviceSpec = DEVICES["h200"]) -> Decision:
+  """The admission bound and decode slots for the next window (module docstring)."""
+  lo, hi = policy.admission_range()
+  bounds = sorted({policy.clamp(int(round(b))) for b in np.linspace(lo, hi, 5)})
+  slots_max = int(cfg.sampler.max_concurrent_decodes)
+  g = int(cfg.rl.group_size)
+  slot_options = sorted({slots_max} | {slots_max // d for d in (2, 4) if slots_max // d >= g})
+  steps = 2 * window_steps
+  at_bound = [predict(cfg, profile, num_steps=steps, max_inflight_groups=b, device=device)
+              for b in bounds]
+  bound = _smallest_near_best(bounds, at_bound, tolerance)
+  preds = {slots_max: at_bound[bounds.index(bound)]}
+  for k in slot_options[:-1]:
+    preds[k] = predict(cfg, profile, num_steps=steps, max_inflight_groups=bound,
+                       decode_slots=k, device=device)
+  slots = _smallest_near_best(slot_options, [preds[k] for k in slot_options], tolerance)
+  return Decision(admission_bound=bound, decode_slots=slots, predicted=preds[slots],
+                  simulations=len(bounds) + len(slot_options) - 1)
+
+
+def errors(predicted: dict, measured: dict) -> dict[str, float]:
+  """Relative error of each CHECKED prediction against the next window's measurement."""
+  out = {}
+  for key in CHECKED:
+    floor = 1e-9 if key == "steps_per_hour" else 1.0
+    out[key] = (predicted[key] - measured[key]) / max(measured[key], floor)
+  return out
+
+
+def _alternatives(cfg) -> list[tuple[str, list[str], object]]:
+  """(label, overrides, config) of every restart-only change advise compares."""
+  from rl_jax import sharding
+  rl = cfg.rl
+  out = []
+  s_dev, t_dev, _ = sharding.mesh_devices(cfg.mesh)
+  here = capacity.pilot_layout(cfg)
+  devices = s_dev if cfg.mesh.colocated else s_dev + t_dev
+  for lay in capacity.layouts(devices=devices, sampler_tensor=_tensor(cfg.mesh.sampler),
+                              trainer_tensor=_tensor(cfg.mesh.trainer)):
+    if lay != here:
+      cand = capacity.Candidate(layout=lay, max_staleness=rl.max_staleness,
+                                max_inflight_groups=rl.max_inflight_groups, memory=None)
+      flags = capacity.overrides(cfg, cand)
+      out.append((f"split {lay.label}", flags, (lay, {})))
+  for every in (1, 2, 4):
+    if every != rl.weight_sync_every:
+      out.append((f"weight_sync_every {every}", [f"--config.rl.weight_sync_every={every}"],
+                  (None, {"weight_sync_every": every})))
+  batch = rl.groups_per_step * rl.group_size
+  for g in (rl.group_size // 2, rl.group_size * 2):
+    if g >= 2 and batch % g == 0 and g != rl.group_size:
+      out.append((f"group_size {g}", [f"--config.rl.group_size={g}",
+                                      f"--config.rl.groups_per_step={batch // g}"],
+                  (None, {"group_size": g, "groups_per_step": batch // g})))
+  return out
+
+
+def advise(cfg, profile, *, num_steps: int, min_gain: float = 0.15,
+           device: DeviceSpec = DEVICES["h200"]) -> dict | None:
+  """The best restart-only change predicted to give >= min_gain more optimizer steps per
+  hour at the same staleness bound: {"change", "overrides", "gain", "steps_per_hour",
+  "current_steps_per_hour"}; None when nothing does."""
+  from rl_jax.orchestration.policy import StalenessPolicy
+  current = predict(cfg, profile, num_steps=num_steps, device=device)["steps_per_hour"]
+  best = None
+  for label, flags, (layout, rl_changes) in _alternatives(cfg):
+    alt = cfg.copy_and_resolve_references()
+    for k, v in rl_changes.items():
+      alt.rl[k] = v
+    if StalenessPolicy.from_config(alt.rl).stall_reason():
+      continue
+    if layout is not None:
+      model_cfg, params = capacity.model_shape(cfg)
+      _, reason = capacity.check_layout(cfg, layout=layout, model_cfg=model_cfg,
+                                        params=params, memory_gib=device.memory_gib)
+      if reason:
+        continue
+    sph = predict(alt, profile, num_steps=num_steps, layout=layout,
+                  device=device)["steps_per_hour"]
+    if best is None or sph > best["steps_per_hour"]:
+      best = {"change": label, "overrides": flags, "steps_per_hour": sph}
+  if best is None or best["steps_per_hour"] < (1 + min_gain) * current:
+    return None
+  best.update(gain=best["steps_per_hour"] / current - 1, current_steps_per_hour=current)
+  return best
