@@ -112,7 +112,7 @@ def get_config(arg=None):
   c.warmstart.learning_rate = 1e-3
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "arithmetic"  # arithmetic | calculator | countdown | gsm8k | jsonl
+  c.task.name = "arithmetic"  # arithmetic | calculator | carries | countdown | gsm8k | jsonl
   c.task.path = ""  # data file for gsm8k / jsonl: .jsonl, .json (lines) or .parquet
   c.task.eval_path = ""  # gsm8k / jsonl: held-out file (e.g. test split); "": split task.path
   c.task.prompt_template = "{question}\nAnswer:"  # gsm8k: prompt text around the question
@@ -122,6 +122,7 @@ def get_config(arg=None):
   c.task.operators = "+"
   c.task.format_reward = 0.0  # weight of the optional format reward
   c.task.tool_demo_fraction = 0.5  # calculator: share of warm-up demonstrations that call the tool
+  c.task.working_demo_fraction = 0.1  # carries: share of warm-up demonstrations showing the working
   c.task.heldout_size = 256
   c.task.heldout_fraction = 0.1  # hash-based share of prompts kept for held-out
 

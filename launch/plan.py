@@ -5,9 +5,14 @@
       [--max-discard 0.05] [--turns-per-episode 2 [--turns-dist geometric]
       [--observation-tokens 16]] [--filter-rate 0.3] [--out DIR] [--config.x=y ...]
   python launch/plan.py --config configs/default.py --validate WORKDIR [--profile PILOT]
+  python launch/plan.py --from-run WORKDIR [--window STEPS]
 
 --profile fits the throughput models and distributions from a pilot's workdir;
 --validate compares the prediction for that run's own configuration with what it observed.
+--from-run refits from the run's last window (--window steps, default its rl.control_every)
+as live control does (rl.control), prints the refit table and the restart advice live
+control gives: another split, weight-sync cadence or group size predicted to give >= 15%
+more optimizer steps per hour at the same staleness bound.
 --sweep-inflight takes rl.max_inflight_groups values; auto = (max_staleness + 1) * groups_per_step.
 --turns-per-episode: tool-using episodes of that many model turns on average (a list: an
 empirical distribution), a call to the env.tool pool of the config between two turns
@@ -45,6 +50,8 @@ def _main(argv):
   p.add_argument("--devices", type=int)
   p.add_argument("--profile")
   p.add_argument("--validate")
+  p.add_argument("--from-run")
+  p.add_argument("--window", type=int)
   p.add_argument("--memory-gb", type=float)
   p.add_argument("--sweep-staleness", default="")
   p.add_argument("--sweep-inflight", default="")
@@ -64,6 +71,8 @@ def _main(argv):
   if turns:
     turns = planner.turn_model(cfg, turns_per_episode=turns if len(turns) > 1 else turns[0],
                                kind=args.turns_dist, observation_tokens=args.observation_tokens)
+  if args.from_run:
+    return _from_run(args.from_run, cfg, args.window)
   if args.devices is None and not args.validate:
     sys.exit("error: --devices is required (the cluster size to plan for)")
   profile = None
@@ -83,6 +92,25 @@ def _main(argv):
   if result.recommended is not None:
     print("run it with: " + " ".join(planner.overrides(cfg, result.recommended)))
   print(f"plot: {planner.plot_plan(result, os.path.join(args.out, 'plan.png'))}")
+
+
+def _from_run(workdir, cfg, window):
+  from rl_jax.planner import live
+  pilot = planner.profile.load_pilot(workdir, flag="--from-run", cfg=cfg)
+  steps = window or int(getattr(pilot.cfg.rl, "control_every", 20))
+  if steps < 3:
+    sys.exit(f"error: --window must be >= 3 steps, got {steps}")
+  profile, table, advice = live.from_run(pilot, steps=steps)
+  print(f"refit from the last {steps} optimizer steps of {workdir}:")
+  print("\n".join(f"  {n}" for n in profile.notes))
+  print(planner.format_validation(table))
+  if advice is None:
+    print("advice: no split, weight-sync cadence or group size predicts >= 15% more "
+          "optimizer steps per hour at this staleness bound")
+  else:
+    print(f"advice: {advice['change']} predicts {100 * advice['gain']:+.0f}% optimizer "
+          f"steps/hour; restart with: {' '.join(advice['overrides'])}")
+  return 0
 
 
 def main(argv):

@@ -264,7 +264,7 @@ DOMAINS = {
     # 10**digits must fit the int64 the procedural tasks draw operands with.
     "task.digits": "[1, 18]", "task.num_terms": ">= 2", "task.format_reward": ">= 0",
     "task.heldout_size": ">= 1", "task.heldout_fraction": "(0, 1)",
-    "task.tool_demo_fraction": "[0, 1]",
+    "task.tool_demo_fraction": "[0, 1]", "task.working_demo_fraction": "[0, 1]",
     "env.max_turns": ">= 1", "env.max_total_tokens": ">= 0", "env.tool.workers": ">= 1",
     "env.tool.timeout_s": "> 0", "env.tool.retries": ">= 0", "env.tool.latency_mean_s": ">= 0",
     "env.tool.latency_sigma": "> 0", "env.tool.latency_alpha": "> 0",

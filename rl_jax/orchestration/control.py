@@ -23,13 +23,13 @@ A window whose refit fails (e.g. no trainer time in it) keeps the settings, note
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
 
 from rl_jax.errors import UserError
 
-_WINDOW_KEYS = ("groups_completed", "groups_filtered_zero_variance", "groups_uniform_capped")
 
 
 def active(cfg, processes: int = 1) -> bool:
@@ -50,7 +50,7 @@ class Controller:
     self.slots = int(cfg.sampler.max_concurrent_decodes)
     self._rows: list[dict] = []  # the row before the window, then the window's rows
     self._start: int | None = None  # the step the window starts after
-    self._counts = {k: 0 for k in _WINDOW_KEYS}
+    self._counts: dict[str, int] = collections.Counter()
     self._predicted: dict | None = None
     self._advised: set[tuple] = set()  # override sets already printed
     self._noted = False
@@ -77,8 +77,8 @@ class Controller:
   def _window(self, step: int) -> dict:
     from rl_jax.planner import capacity, live, profile as profile_lib
     rows, self._rows = self._rows, self._rows[-1:]
-    counts = {k: self.acc.counts[k] - self._counts[k] for k in _WINDOW_KEYS}
-    self._counts = {k: self.acc.counts[k] for k in _WINDOW_KEYS}
+    counts = {k: self.acc.counts[k] - self._counts[k] for k in live.FILTER_COUNTS}
+    self._counts = {k: self.acc.counts[k] for k in live.FILTER_COUNTS}
     start = rows[0]["time_s"]
     counts["timeline"] = {
         "sampler": [iv for iv in self.acc.sampler_busy.intervals[-5000:] if iv[1] >= start],

@@ -35,6 +35,7 @@ from rl_jax.planner.models import DEVICES, DeviceSpec
 from rl_jax.planner.simulate import simulate
 
 CHECKED = ("steps_per_hour", "queue_depth_mean", "staleness_mean")
+FILTER_COUNTS = ("groups_completed", "groups_filtered_zero_variance", "groups_uniform_capped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +162,31 @@ def advise(cfg, profile, *, num_steps: int, min_gain: float = 0.15,
     return None
   best.update(gain=best["steps_per_hour"] / current - 1, current_steps_per_hour=current)
   return best
+
+
+def last_window(pilot: profile_lib.Pilot, steps: int) -> profile_lib.Pilot:
+  """The pilot cut to its last window of `steps` optimizer steps (with the row before
+  it) and the summary's busy timelines and filter counts (whole-run counts: a finished
+  run's summary keeps no per-window ones)."""
+  rows = pilot.rows
+  first = rows[-1]["step"] - steps
+  start = max([i for i, r in enumerate(rows) if r["step"] <= first], default=0)
+  keep = {k: pilot.summary[k] for k in ("timeline", *FILTER_COUNTS) if k in pilot.summary}
+  return profile_lib.Pilot(workdir=pilot.workdir, cfg=pilot.cfg, rows=rows[start:],
+                           summary=keep)
+
+
+def from_run(pilot: profile_lib.Pilot, *, steps: int, min_gain: float = 0.15,
+             device: DeviceSpec = DEVICES["h200"]):
+  """plan.py --from-run: (refitted Profile, table, advice) of a finished run's last
+  window; table rows as capacity.validate's (metric, predicted, observed, rel_err), the
+  prediction being what live control would predict for a next window."""
+  win = last_window(pilot, steps)
+  profile = capacity.refit(win, device=device)
+  predicted = predict(pilot.cfg, profile, num_steps=2 * steps, device=device)
+  observed = profile_lib.steady_state(win.rows, skip_frac=0.0)
+  table = [{"metric": k, "predicted": predicted[k], "observed": observed[k],
+            "rel_err": (predicted[k] - observed[k]) / observed[k] if observed[k] else None}
+           for k in (*CHECKED, "sampler_busy_frac", "trainer_busy_frac", "discard_rate")]
+  advice = advise(pilot.cfg, profile, num_steps=steps, min_gain=min_gain, device=device)
+  return profile, table, advice

@@ -1,0 +1,33 @@
+"""A workload whose completions grow during training: the one live control is for.
+
+2-digit addition where the reward pays for the working (rl_jax/tasks/carries.py): a
+correct bare answer ("132") earns 0.5, a correct answer with every column step shown
+("7+5=12 4+8+1=13 =132") earns 1. The warm-up teaches mostly bare answers (a tenth of
+its demonstrations show the working), so RL starts short, finds that showing the carries
+pays, and the completions grow from about 4 to about 21 tokens. The pipeline calibrated
+for short answers (sampler slots, admission bound) becomes unbalanced as they grow.
+
+Otherwise the embedded default's model, mesh, batch and verifier latency. Variants:
+`:control=off` (a fixed admission bound, (max_staleness + 1) x groups_per_step),
+`:mode=sync`.
+"""
+from configs import default
+
+
+def get_config(arg=None):
+  variants = dict(kv.partition("=")[::2] for kv in (arg or "").split(",") if kv)
+  c = default.get_config("mode=" + variants.pop("mode") if "mode" in variants else None)
+  if "control" in variants:
+    c.rl.control = variants.pop("control")
+  if variants:
+    raise ValueError(f"unknown variant {next(iter(variants))!r}; known: mode, control")
+  c.task.name = "carries"
+  c.task.digits = 2
+  c.task.working_demo_fraction = 0.1
+  c.data.max_prompt_length = 8  # "99+99=" and bos
+  c.sampler.max_prefill_length = 8
+  c.sampler.max_new_tokens = 24
+  c.trainer.length_buckets = (16, 32)
+  c.rl.total_steps = 300
+  c.rl.control_every = 20
+  return c
