@@ -242,7 +242,42 @@ def make_plots(runs: list[dict], outdir: str) -> list[str]:
   tool_runs = [r for r in runs if r["summary"].get("heldout_tool_call_rate_curve")]
   if tool_runs:
     save(_tool_figure(plt, tool_runs), "tool_use.png")
+  if any(_series(r["rows"], "control/admission_bound")[0].size for r in runs):
+    save(_control_figure(plt, runs), "control.png")
   return files
+
+
+def _control_figure(plt, runs):
+  """Live control (rl.control): the admission bound and decode slots in force, steps/h
+  predicted one window ahead against measured, and the window-ahead relative errors."""
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+  for i, run in enumerate(runs):
+    rows, name = run["rows"], run["name"]
+    for key, style in (("control/admission_bound", "-"), ("control/decode_slots", ":")):
+      t, v = _series(rows, key)
+      axes[0].step(t, v, style, where="post", color=f"C{i}",
+                   label=f"{name} {key.split('/')[1]}")
+    # Each window's prediction is for the next window: drawn at the next window's end.
+    t, pred = _series(rows, "control/predicted_steps_per_hour")
+    tm, meas = _series(rows, "control/measured_steps_per_hour")
+    axes[1].plot(tm, meas, "o-", color=f"C{i}", label=f"{name} measured")
+    if len(t) > 1:
+      axes[1].plot(tm[1:len(pred)], pred[:len(tm) - 1], "x--", color=f"C{i}",
+                   label=f"{name} predicted a window ahead")
+    for key, style in (("steps_per_hour", "o-"), ("queue_depth", "s:"), ("staleness", "^--")):
+      t, v = _series(rows, f"control/{key}_error")
+      if len(t):
+        axes[2].plot(t, 100 * v, style, color=f"C{i}", label=f"{name} {key}")
+  axes[2].axhspan(-15, 15, color="0.9")
+  for ax, (ylabel, title) in zip(axes, (
+      ("groups / slots", "Admission bound and decode slots"),
+      ("optimizer steps / hour", "Steps/h: measured vs predicted"),
+      ("relative error (%)", "Window-ahead prediction error"))):
+    ax.set_xlabel("pipeline wall time (s)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=6)
+  return fig
 
 
 def _tool_figure(plt, runs):
@@ -280,15 +315,32 @@ _ENV_KEYS = ("heldout_tool_call_rate_initial", "heldout_tool_call_rate_final",
              "parked_pages_max")
 
 
+# Live control: decisions, advice given, and mean |window-ahead error| of each prediction.
+_CONTROL_KEYS = ("control_decisions", "control_advice", "control_steps_per_hour_error",
+                 "control_queue_depth_error", "control_staleness_error")
+
+
+def _control_value(summary: dict, key: str):
+  if key in ("control_decisions", "control_advice"):
+    items = summary.get(key)
+    if key == "control_advice" and items:
+      return "; ".join(f"step {a['step']}: {' '.join(a['overrides'])}" for a in items)
+    return None if items is None else len(items)
+  name = key[len("control_"):-len("_error")]
+  name = name if name == "steps_per_hour" else name + "_mean"
+  return summary.get("control_error_mean", {}).get(name)
+
+
 def write_html(runs: list[dict], outdir: str, headline: str = "") -> str:
   files = make_plots(runs, outdir)
   head = "".join(f"<th>{html.escape(r['name'])}</th>" for r in runs)
   body = ""
   env = any("tool_call_rate" in r["summary"] for r in runs)
-  for k in _KEYS + (_ENV_KEYS if env else ()):
+  control = any("control_error_mean" in r["summary"] for r in runs)
+  for k in _KEYS + (_ENV_KEYS if env else ()) + (_CONTROL_KEYS if control else ()):
     cells = ""
     for r in runs:
-      v = r["summary"].get(k)
+      v = _control_value(r["summary"], k) if k in _CONTROL_KEYS else r["summary"].get(k)
       cells += f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{v}</td>"
     body += f"<tr><td>{k}</td>{cells}</tr>"
   imgs = "".join(f'<p><img src="{f}"></p>' for f in files)
