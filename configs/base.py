@@ -27,6 +27,16 @@ def get_config(arg=None):
   # Full-sequence attention kernel (training, prefill): auto | jnp | xla | cudnn | splash.
   # auto: cuDNN flash attention on GPU in bf16, Pallas splash on TPU, XLA on CPU.
   c.model.attention = "auto"
+  # Low-rank adapters (rl_jax/model/lora.py): rank 0 = full fine-tuning. With rank > 0
+  # the base weights are frozen (stored in model.param_dtype) and only the adapters
+  # train (float32 masters and Adam moments); weight sync sends only the adapters and
+  # the sampler merges W = W0 + (alpha / rank) B A on its own devices.
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0
+  c.model.lora.alpha = 16.0
+  # Which projections get adapters, comma-separated: any of q,k,v,o,gate,up,down.
+  c.model.lora.targets = "q,k,v,o,gate,up,down"
+  c.model.lora.dropout = 0.0  # dropout on the low-rank path's input, training only
 
   c.mesh = ml_collections.ConfigDict()
   # colocated: sampler and trainer share every device (one GPU, a laptop).

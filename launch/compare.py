@@ -2,6 +2,7 @@
 
   python launch/compare.py --config configs/default.py --workdir runs/compare [--config.x=y ...]
       [--seeds N] [--plot docs/compare_default.png] [--report-only]
+      [--ab FIELD=A,B [--modes async]]
 
 Each mode runs in its own process (fair compile and cache state). Target = sync's final
 held-out reward, taken as the mean of its last three evaluations because one evaluation
@@ -18,6 +19,13 @@ wall time), in <workdir>/<mode>_seed<k>. The headline gives time to target and f
 reward as the median and [min, max] over seeds (target: the median of sync's finals; a
 seed that never reaches it counts as infinitely slow), and the plot shows every seed's
 curve. The HTML report has one column per run.
+
+--ab FIELD=A,B compares two values of one config field instead (say
+rl.filter_groups=none,zero_variance) in each of --modes (default sync,async): runs go to
+<workdir>/<value>/<mode>_seed<k> (<workdir>/<value>/<mode> with one seed), and each
+mode's headline gives time to A's median final reward and both values' finals as median
+[min, max] over seeds, with the sampler busy fraction and, when groups were filtered,
+the filtered share and groups sampled per trained group.
 """
 import os
 import subprocess
@@ -36,14 +44,56 @@ def _train(cmd: list[str]) -> int:
   return subprocess.call(cmd)
 
 
-def _runs(args, overrides) -> dict[str, list[tuple[str, list[str]]]]:
-  """mode -> (workdir, seed override) of each of its runs."""
+def _seeds(args, overrides) -> list[tuple[str, list[str]]]:
+  """(directory suffix, seed override) of each seed's run."""
   if args.seeds == 1:
-    return {m: [(os.path.join(args.workdir, m), [])] for m in ("sync", "async")}
+    return [("", [])]
   from rl_jax import config as config_lib
   base = int(config_lib.parse_args(["--config", args.config, *overrides])[0].seed)
-  return {m: [(os.path.join(args.workdir, f"{m}_seed{s}"), [f"--config.seed={s}"])
-              for s in range(base, base + args.seeds)] for m in ("sync", "async")}
+  return [(f"_seed{s}", [f"--config.seed={s}"]) for s in range(base, base + args.seeds)]
+
+
+def _arms(args, overrides) -> dict[str, list[tuple[str, list[str]]]]:
+  """Arm label -> (workdir, overrides) of each of its runs. Arms are the modes, or with
+  --ab "<mode> FIELD=value" for each mode and value."""
+  modes = [m for m in args.modes.split(",") if m]
+  bad = [m for m in modes if m not in ("sync", "async")] or ([] if modes else [args.modes])
+  if bad:
+    raise report.ReportError(f"--modes takes sync and/or async, comma-separated; got {args.modes!r}")
+  seeds = _seeds(args, overrides)
+  if not args.ab:
+    return {m: [(os.path.join(args.workdir, m + sfx), [*seed, f"--config.rl.mode={m}"])
+                for sfx, seed in seeds] for m in modes}
+  field, _, values = args.ab.partition("=")
+  values = [v for v in values.split(",") if v]
+  if not field or len(values) != 2 or values[0] == values[1]:
+    raise report.ReportError(f"--ab takes FIELD=A,B with two different values; got {args.ab!r}")
+  return {f"{m} {field}={v}": [
+      (os.path.join(args.workdir, v, m + sfx),
+       [*seed, f"--config.rl.mode={m}", f"--config.{field}={v}"]) for sfx, seed in seeds]
+      for m in modes for v in values}
+
+
+def _ab_headline(loaded: dict[str, list[dict]], modes: list[str]) -> str:
+  """Per mode: seeds_headline over the two values' runs, then each value's sampler busy
+  fraction and (when it filtered groups) filtered share and sampled per trained group."""
+  lines = []
+  for m in modes:
+    arms = {label: [r["summary"] for r in runs] for label, runs in loaded.items()
+            if label.split(" ", 1)[0] == m}
+    extra = []
+    for label, sums in arms.items():
+      value = label.split(" ", 1)[1]
+      busy = report.median_range([s["sampler_busy_frac"] for s in sums])
+      part = f"{value}: sampler busy {busy}"
+      if any(s.get("groups_filtered_zero_variance") for s in sums):
+        part += (f", filtered share {report.median_range([s['filtered_share'] for s in sums])}"
+                 f", sampled per trained "
+                 f"{report.median_range([s['sampled_per_trained'] for s in sums])}")
+      extra.append(part)
+    head = report.seeds_headline({label.split(" ", 1)[1]: s for label, s in arms.items()})
+    lines.append(f"{m}: {head}; " + "; ".join(extra))
+  return "\n".join(lines)
 
 
 def _main(argv):
@@ -57,28 +107,34 @@ def _main(argv):
   p.add_argument("--report-only", action="store_true",
                  help="run nothing: rebuild the headline, report and plot from the "
                  "runs already in --workdir")
+  p.add_argument("--ab", default="", help="FIELD=A,B: compare two values of one config "
+                 "field in each of --modes instead of sync against async")
+  p.add_argument("--modes", default="sync,async", help="modes to run, comma-separated")
   args, overrides = p.parse_known_args(argv)
   if args.seeds < 1:
     raise report.ReportError(f"--seeds must be >= 1, got {args.seeds}")
   if args.plot:
     report.check_plot_path(args.plot)
-  workdirs = _runs(args, overrides)
-  for mode, dirs in () if args.report_only else workdirs.items():
-    for d, seed in dirs:
+  arms = _arms(args, overrides)
+  if not args.ab and set(arms) != {"sync", "async"}:
+    raise report.ReportError("without --ab, compare.py compares sync against async: "
+                             "--modes must be sync,async")
+  for label, runs in () if args.report_only else arms.items():
+    for d, extra in runs:
       status = _train([sys.executable, os.path.join(ROOT, "launch", "train.py"),
-                       "--config", args.config, *overrides, *seed,
-                       f"--config.rl.mode={mode}", "--workdir", d])
+                       "--config", args.config, *overrides, *extra, "--workdir", d])
       if status != 0:  # train.py printed why
-        print(f"error: the {mode} run in {d} failed (exit status {status})", file=sys.stderr)
+        print(f"error: the {label} run in {d} failed (exit status {status})", file=sys.stderr)
         return status
-  loaded = {m: [report.load_run(d) for d, _ in dirs] for m, dirs in workdirs.items()}
+  loaded = {label: [report.load_run(d) for d, _ in runs] for label, runs in arms.items()}
   name = os.path.splitext(os.path.basename(args.config.partition(":")[0]))[0]
-  if args.seeds > 1:
-    line = report.seeds_headline({m: [r["summary"] for r in runs] for m, runs in loaded.items()})
-    runs = []
-    for m, seeds in loaded.items():
-      for r, (d, _) in zip(seeds, workdirs[m]):
-        runs.append({**r, "name": os.path.basename(d)})
+  if args.ab or args.seeds > 1:
+    if args.ab:
+      line = _ab_headline(loaded, [m for m in args.modes.split(",") if m])
+    else:
+      line = report.seeds_headline({m: [r["summary"] for r in rs] for m, rs in loaded.items()})
+    runs = [{**r, "name": os.path.relpath(d, args.workdir)}
+            for label, rs in loaded.items() for r, (d, _) in zip(rs, arms[label])]
     print(line)
     print(f"report: {report.write_html(runs, args.workdir, headline=line)}")
     if args.plot:

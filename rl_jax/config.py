@@ -232,6 +232,16 @@ def _choice(cfg, dotted: str, allowed: Sequence[str]) -> None:
            f"{', '.join(map(repr, allowed))}; got {value!r}")
 
 
+def _check_lora(section) -> None:
+  """ConfigError naming a bad model.lora.targets (the numbers are DOMAINS entries)."""
+  from rl_jax.model.presets import LORA_TARGETS
+  targets = [t.strip() for t in str(section.targets).split(",") if t.strip()]
+  bad = [t for t in targets if t not in LORA_TARGETS]
+  _require(bool(targets) and not bad and len(set(targets)) == len(targets),
+           f"config field 'model.lora.targets' must be distinct names from "
+           f"{','.join(LORA_TARGETS)}; got {section.targets!r}")
+
+
 def _check_files(cfg) -> None:
   """What a chat-formatted run needs beyond check_inputs: the checkpoint's own tokenizer."""
   if cfg.data.chat:
@@ -246,6 +256,7 @@ def _check_files(cfg) -> None:
 # "[a, b)" etc. Floats must also be finite. Cross-field rules are in `validate`.
 DOMAINS = {
     "seed": ">= 0",
+    "model.lora.rank": ">= 0", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
     "sampler.max_concurrent_decodes": ">= 1", "sampler.page_size": ">= 1",
     "sampler.num_pages": ">= 0", "sampler.kv_cache_bytes": ">= 1",
     "sampler.max_prefill_length": ">= 1", "sampler.max_new_tokens": ">= 1",
@@ -418,6 +429,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.remat", ("none", "full", "dots"))
   _choice(cfg, "model.attention", ("auto", "jnp", "xla", "cudnn", "splash"))
+  _check_lora(cfg.model.lora)
   _choice(cfg, "sampler.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "sampler.layers", ("auto", "unrolled", "scan"))
   _choice(cfg, "sampler.attention", ("auto", "jnp", "pallas_tpu", "pallas_gpu", "ragged"))

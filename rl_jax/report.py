@@ -70,7 +70,7 @@ def compare_headline(sync: dict, async_: dict) -> str:
           f"(mean of last 3 evaluations) sync {target:.3f} vs async {final_async:.3f}")
 
 
-def _median_range(values) -> str:
+def median_range(values) -> str:
   """"median [min, max]" of seconds or rewards; a run that never reached its target is
   inf (it counts in the median as the slowest)."""
   v = np.sort(np.asarray([np.inf if x is None else x for x in values], float))
@@ -90,14 +90,14 @@ def seeds_headline(runs: dict[str, list[dict]]) -> str:
   for m in modes:
     missed = sum(t is None for t in times[m])
     miss = f" ({missed} of {len(times[m])} never reached it)" if missed else ""
-    parts.append(f"{m} {_median_range(times[m])}s{miss}")
+    parts.append(f"{m} {median_range(times[m])}s{miss}")
   line = (f"over {len(runs[modes[0]])} seeds, median [min, max]: time to target (held-out "
           f"reward {target:.3f}, {modes[0]}'s median final) " + ", ".join(parts))
   if len(modes) == 2:
     a, b = (float(np.median([np.inf if t is None else t for t in times[m]])) for m in modes)
     line += f", median speedup {a / max(b, 1e-9):.2f}x"
   return line + "; final held-out (mean of last 3 evaluations) " + ", ".join(
-      f"{m} {_median_range(finals[m])}" for m in modes)
+      f"{m} {median_range(finals[m])}" for m in modes)
 
 
 def plot_seeds(runs: dict[str, list[dict]], path: str, *, title: str, note: str = "") -> str:

@@ -102,3 +102,66 @@ def test_seeds_must_be_positive(tmp_path, capsys):
   assert compare.main(["--config", os.path.join(ROOT, "configs/default.py"),
                        "--workdir", str(tmp_path), "--seeds", "0"]) != 0
   assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def _fake_ab_train(calls):
+  """A train.py stand-in for --ab rl.filter_groups: filtering reaches 0.8 at 20 s per
+  evaluation, no filtering 0.7 at 30 s; busy fraction and filter figures per value."""
+  def train(cmd):
+    arg = dict(a.split("=", 1) for a in cmd if a.startswith("--config.") and "=" in a)
+    workdir = cmd[cmd.index("--workdir") + 1]
+    value, seed = arg["--config.rl.filter_groups"], int(arg["--config.seed"])
+    calls.append((arg["--config.rl.mode"], value, seed, workdir))
+    on = value == "zero_variance"
+    dt, top = (20.0, 0.8) if on else (30.0, 0.7)
+    curve = [[0.0, 0, 0.2]] + [[dt * k, k, top + 0.01 * (seed - 7)] for k in (1, 2, 3)]
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({"mode": "async", "heldout_curve": curve, "staleness_histogram": {"0": 4},
+                 "wall_time_s": curve[-1][0], "timeline": {},
+                 "sampler_busy_frac": 0.9 + 0.01 * (seed - 7),
+                 "groups_filtered_zero_variance": 10 * (seed - 6) if on else 0,
+                 "filtered_share": 0.3 if on else 0.0,
+                 "sampled_per_trained": 1.4 + 0.1 * (seed - 7) if on else 1.0}, f)
+    return 0
+  return train
+
+
+def test_ab_compares_two_values_of_a_field_in_one_mode(tmp_path, capsys):
+  compare = _load_compare()
+  calls = []
+  compare._train = _fake_ab_train(calls)
+  runs = tmp_path / "runs"
+  assert compare.main(["--config", os.path.join(ROOT, "configs/default.py"),
+                       "--config.seed=7", "--workdir", str(runs), "--seeds", "2",
+                       "--ab", "rl.filter_groups=none,zero_variance", "--modes", "async",
+                       "--plot", str(tmp_path / "ab.png")]) == 0
+  assert calls == [("async", v, s, str(runs / v / f"async_seed{s}"))
+                   for v in ("none", "zero_variance") for s in (7, 8)]
+  out = capsys.readouterr().out
+  # Finals: none 0.7 / 0.71 (median 0.705 = target), zero_variance 0.8 / 0.81. Seed 7 of
+  # none never reaches 0.705 (inf), seed 8 does at 30 s; filtering reaches it at 20 s.
+  assert ("async: over 2 seeds, median [min, max]: time to target (held-out reward 0.705, "
+          "rl.filter_groups=none's median final) rl.filter_groups=none inf [30, inf]s (1 of "
+          "2 never reached it), rl.filter_groups=zero_variance 20 [20, 20]s, median speedup "
+          "infx; final held-out (mean of last 3 evaluations) rl.filter_groups=none 0.705 "
+          "[0.7, 0.71], rl.filter_groups=zero_variance 0.805 [0.8, 0.81]; "
+          "rl.filter_groups=none: sampler busy 0.905 [0.9, 0.91]; "
+          "rl.filter_groups=zero_variance: sampler busy 0.905 [0.9, 0.91], filtered share "
+          "0.3 [0.3, 0.3], sampled per trained 1.45 [1.4, 1.5]") in out
+  assert os.path.getsize(tmp_path / "ab.png") > 1000
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ab", "rl.filter_groups=none"], "--ab takes FIELD=A,B with two different values"),
+    (["--ab", "rl.seed=1,1"], "--ab takes FIELD=A,B with two different values"),
+    (["--modes", "async"], "--modes must be sync,async"),
+    (["--ab", "seed=1,2", "--modes", "sink"], "--modes takes sync and/or async"),
+])
+def test_ab_and_modes_errors_are_one_line(tmp_path, capsys, flags, message):
+  compare = _load_compare()
+  compare._train = lambda cmd: pytest.fail("must not run")
+  assert compare.main(["--config", os.path.join(ROOT, "configs/default.py"),
+                       "--workdir", str(tmp_path), *flags]) == 1
+  err = capsys.readouterr().err
+  assert message in err and err.count("\n") == 1

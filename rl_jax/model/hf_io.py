@@ -263,8 +263,12 @@ def from_run_config(section, *, weights: bool = False,
   else:
     where = os.path.join(section.path, "config.json")
     mc = config_from_hf(_read_json(where), where=where)
+  lora = section.get("lora")
+  lora_fields = {} if lora is None or not lora.rank else dict(
+      lora_rank=int(lora.rank), lora_alpha=float(lora.alpha),
+      lora_targets=str(lora.targets), lora_dropout=float(lora.dropout))
   return mc.replace(dtype=resolve_dtype(section.dtype), param_dtype=section.param_dtype,
-                    remat=section.remat, attention=section.attention), params
+                    remat=section.remat, attention=section.attention, **lora_fields), params
 
 
 def from_pretrained(path: str, dtype="float32") -> tuple[ModelConfig, dict]:

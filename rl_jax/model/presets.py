@@ -56,6 +56,11 @@ class ModelConfig:
   pad_id: int = 0
   remat: str = "none"
   attention: str = "auto"
+  # Low-rank adapters (rl_jax.model.lora): rank 0 = off; alpha / rank scales B A.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
+  lora_dropout: float = 0.0
 
   def __post_init__(self):
     if isinstance(self.remat, bool):
@@ -70,6 +75,10 @@ class ModelConfig:
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+    if isinstance(self.lora_targets, (list, str)):
+      targets = self.lora_targets.split(",") if isinstance(self.lora_targets, str) else self.lora_targets
+      object.__setattr__(self, "lora_targets", tuple(t.strip() for t in targets if t.strip()))
+    _check_lora(self)
     for field in ("dtype", "param_dtype"):
       name = getattr(self, field)
       if name not in ("float32", "bfloat16", "float16"):
@@ -90,6 +99,25 @@ ATTENTION_IMPLS = ("auto", "jnp", "xla", "cudnn", "splash")
 
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _check_lora(cfg) -> None:
+  """ValueError naming the first bad LoRA field (model.lora.* in a run config)."""
+  if cfg.lora_rank < 0:
+    raise ValueError(f"lora rank must be >= 0 (0 = off), got {cfg.lora_rank}")
+  if cfg.lora_rank == 0:
+    return
+  if not cfg.lora_alpha > 0:
+    raise ValueError(f"lora alpha must be > 0, got {cfg.lora_alpha}")
+  if not 0 <= cfg.lora_dropout < 1:
+    raise ValueError(f"lora dropout must be in [0, 1), got {cfg.lora_dropout}")
+  unknown = [t for t in cfg.lora_targets if t not in LORA_TARGETS]
+  if unknown or not cfg.lora_targets or len(set(cfg.lora_targets)) != len(cfg.lora_targets):
+    raise ValueError(f"lora targets must be distinct names from {LORA_TARGETS}, got "
+                     f"{cfg.lora_targets!r}")
 
 
 def _llama3_scaling(factor: float) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from rl_jax.model import attention
+from rl_jax.model import lora
 from rl_jax.model.presets import ModelConfig
 
 # attn_fn(q_bthd, k_btkd, v_btkd, layer_cache, attn_ctx) -> (out_bthd, new_layer_cache)
@@ -154,19 +155,29 @@ _REMAT_POLICY = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batc
 
 
 def layer_forward(cfg: ModelConfig, lp: dict, x_bte: jax.Array, cos_btd: jax.Array,
-                  sin_btd: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
+                  sin_btd: jax.Array, attend: Callable, adapters: dict | None = None,
+                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, Any]:
   """One pre-norm decoder layer as a pure function: (x_bte, whatever `attend` returns second).
 
   `lp` is one layer's slice of params["layers"] (leaves without the `l` axis).
   attend(q_bthd, k_btkd, v_btkd) -> (out_bthd, aux) gets q/k/v after RoPE; the scanned
   training module and the sampler's unrolled decode loop both run this code.
+  `adapters` is this layer's slice of a LoRA adapter tree (rl_jax.model.lora; None: no
+  low-rank path) and `dropout_key` turns on the adapters' input dropout.
   """
   dtype = jnp.dtype(cfg.dtype)
   w = {name: p.astype(dtype) for name, p in lp.items()}
+
+  def proj(spec, x, name):
+    y = jnp.einsum(spec, x, w[name])
+    if adapters is None or name not in adapters:
+      return y
+    return y + lora.delta(cfg, adapters, name, x, dropout_key)
+
   hid_bte = rms_norm(x_bte, lp["attn_norm"], cfg.rms_norm_eps)
-  q_bthd = jnp.einsum("bte,ehd->bthd", hid_bte, w["q"])
-  k_btkd = jnp.einsum("bte,ekd->btkd", hid_bte, w["k"])
-  v_btkd = jnp.einsum("bte,ekd->btkd", hid_bte, w["v"])
+  q_bthd = proj("bte,ehd->bthd", hid_bte, "q")
+  k_btkd = proj("bte,ekd->btkd", hid_bte, "k")
+  v_btkd = proj("bte,ekd->btkd", hid_bte, "v")
   if cfg.qkv_bias:
     q_bthd += w["q_bias"]
     k_btkd += w["k_bias"]
@@ -174,12 +185,12 @@ def layer_forward(cfg: ModelConfig, lp: dict, x_bte: jax.Array, cos_btd: jax.Arr
   q_bthd = apply_rope(q_bthd, cos_btd, sin_btd)
   k_btkd = apply_rope(k_btkd, cos_btd, sin_btd)
   out_bthd, aux = attend(q_bthd, k_btkd, v_btkd)
-  x_bte = x_bte + jnp.einsum("bthd,hde->bte", out_bthd.astype(dtype), w["o"])
+  x_bte = x_bte + proj("bthd,hde->bte", out_bthd.astype(dtype), "o")
 
   hid_bte = rms_norm(x_bte, lp["mlp_norm"], cfg.rms_norm_eps)
-  gate_btf = jnp.einsum("bte,ef->btf", hid_bte, w["gate"])
-  up_btf = jnp.einsum("bte,ef->btf", hid_bte, w["up"])
-  x_bte = x_bte + jnp.einsum("btf,fe->bte", jax.nn.silu(gate_btf) * up_btf, w["down"])
+  gate_btf = proj("bte,ef->btf", hid_bte, "gate")
+  up_btf = proj("bte,ef->btf", hid_bte, "up")
+  x_bte = x_bte + proj("btf,fe->bte", jax.nn.silu(gate_btf) * up_btf, "down")
   return x_bte, aux
 
 
@@ -208,7 +219,7 @@ class _Layer(nn.Module):
                       jnp.dtype(self.cfg.param_dtype))
 
   @nn.compact
-  def __call__(self, carry, cos_btd, sin_btd, attn_ctx):
+  def __call__(self, carry, cos_btd, sin_btd, attn_ctx, lora_xs):
     cfg = self.cfg
     e, h, kh, d, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                       cfg.intermediate_size)
@@ -239,9 +250,10 @@ class _Layer(nn.Module):
     if cache is not None:
       layer_cache = jax.tree.map(lambda c: lax.dynamic_index_in_dim(c, layer, keepdims=False),
                                  cache)
+    adapters, dropout_key = lora_xs if lora_xs is not None else (None, None)
     x_bte, new_layer_cache = layer_forward(
         cfg, lp, x_bte, cos_btd, sin_btd,
-        lambda q, k, v: self.attn_fn(q, k, v, layer_cache, attn_ctx))
+        lambda q, k, v: self.attn_fn(q, k, v, layer_cache, attn_ctx), adapters, dropout_key)
 
     if cache is None:
       # Without an input cache whatever attn_fn returns is stacked by the scan.
@@ -268,7 +280,8 @@ class Transformer(nn.Module):
   attn_fn: AttnFn = _causal_attn_fn
 
   @nn.compact
-  def __call__(self, tokens_bt, positions_bt, cache=None, attn_ctx=None, return_hidden=False):
+  def __call__(self, tokens_bt, positions_bt, cache=None, attn_ctx=None, return_hidden=False,
+               lora_xs=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     pdtype = jnp.dtype(cfg.param_dtype)
@@ -289,12 +302,12 @@ class Transformer(nn.Module):
         layer_cls,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
         length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(cfg=cfg, attn_fn=self.attn_fn, name="layers")
     (x_bte, cache, _), stacked = layers((x_bte, cache, jnp.int32(0)), cos_btd, sin_btd,
-                                        attn_ctx)
+                                        attn_ctx, lora_xs)
 
     head = {"embed": embed_ve}
     head["final_norm"] = self.param(
@@ -344,7 +357,8 @@ def param_logical_axes(model_cfg: ModelConfig) -> dict:
 
 def forward(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
             positions_bt: jax.Array, *, attn_fn: AttnFn | None = None, cache: Any = None,
-            attn_ctx: Any = None, return_hidden: bool = False) -> tuple[jax.Array, Any]:
+            attn_ctx: Any = None, return_hidden: bool = False, adapters: dict | None = None,
+            dropout_rng: jax.Array | None = None) -> tuple[jax.Array, Any]:
   """(logits_btv float32, new_cache) with a pluggable attention; with return_hidden,
   (x_bte, new_cache): the final-normed hidden states before the vocabulary projection.
 
@@ -355,32 +369,40 @@ def forward(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
   returns are stacked along a new leading axis instead. `attn_ctx` reaches every layer
   unchanged. attn_fn=None is causal attention with model_cfg.attention's kernel and
   returns new_cache=None; its attn_ctx is None or segment ids int32 [b, t] (packed rows:
-  attention stays within a segment).
+  attention stays within a segment). `adapters` (rl_jax.model.lora layout, leading l
+  axis) adds the low-rank path to the frozen `params`; `dropout_rng` turns on its dropout.
   """
   if attn_fn is None:
     if cache is not None:
       raise ValueError("forward got a cache but no attn_fn to read or write it")
     attn_fn = functools.partial(_causal_attn_fn, implementation=model_cfg.attention)
+  lora_xs = None
+  if adapters is not None:
+    keys = (None if dropout_rng is None or model_cfg.lora_dropout == 0 else
+            jax.random.split(dropout_rng, model_cfg.num_layers))
+    lora_xs = (adapters, keys)
   module = Transformer(cfg=model_cfg, attn_fn=attn_fn)
   return module.apply({"params": params}, tokens_bt, positions_bt, cache, attn_ctx,
-                      return_hidden)
+                      return_hidden, lora_xs)
 
 
 def apply(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
           positions_bt: jax.Array | None = None,
-          segment_ids_bt: jax.Array | None = None) -> jax.Array:
+          segment_ids_bt: jax.Array | None = None, adapters: dict | None = None) -> jax.Array:
   """Causal full-sequence logits_btv (float32); positions default to 0..t-1. With
   segment_ids_bt (packed rows) each segment attends only within itself; give positions
   that restart at 0 in every segment."""
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                     tokens_bt.shape)
-  return forward(model_cfg, params, tokens_bt, positions_bt, attn_ctx=segment_ids_bt)[0]
+  return forward(model_cfg, params, tokens_bt, positions_bt, attn_ctx=segment_ids_bt,
+                 adapters=adapters)[0]
 
 
 def hidden_states(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
                   positions_bt: jax.Array | None = None,
-                  segment_ids_bt: jax.Array | None = None) -> jax.Array:
+                  segment_ids_bt: jax.Array | None = None, adapters: dict | None = None,
+                  dropout_rng: jax.Array | None = None) -> jax.Array:
   """Causal full-sequence final-normed hidden states x_bte (compute dtype), the input of
   the vocabulary projection (rl_jax.model.head computes from them in chunks); packed
   rows as in `apply`."""
@@ -388,4 +410,4 @@ def hidden_states(model_cfg: ModelConfig, params: dict, tokens_bt: jax.Array,
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32),
                                     tokens_bt.shape)
   return forward(model_cfg, params, tokens_bt, positions_bt, attn_ctx=segment_ids_bt,
-                 return_hidden=True)[0]
+                 return_hidden=True, adapters=adapters, dropout_rng=dropout_rng)[0]
