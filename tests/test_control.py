@@ -147,18 +147,18 @@ def test_controller_applies_decisions_and_checks_them_a_window_ahead():
   ctl = _controller(cfg)
   rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 30)
   out = [ctl.after_row(r["step"], r) for r in rows]
-  # The config's bound until the first window ends; the row of step 10 carries the
-  # decision in force after it.
-  assert [o["control/admission_bound"] for o in out[:10]] == [24] * 9 + [8]
+  # The first row is the row before the first window; the config's bound until that
+  # window ends; the row of step 11 carries the decision in force after it.
+  assert [o["control/admission_bound"] for o in out[:11]] == [24] * 10 + [8]
   ends = [r["step"] for r, o in zip(rows, out) if "control/predicted_steps_per_hour" in o]
-  assert ends == [10, 20, 30]
+  assert ends == [11, 21]
   # Trainer-bound: one batch ahead is enough; the queue and generator got the decision.
   assert ctl.queue.limit == ctl.bound == 8 and ctl.worker.generator.slot_limit == ctl.slots
-  assert "control/steps_per_hour_error" not in out[9]
-  assert all(f"control/{k}_error" in out[i] for i in (19, 29)
+  assert "control/steps_per_hour_error" not in out[10]
+  assert all(f"control/{k}_error" in out[20]
              for k in ("steps_per_hour", "queue_depth", "staleness"))
   s = ctl.summary()
-  assert [d["step"] for d in s["control_decisions"]] == [10, 20, 30]
+  assert [d["step"] for d in s["control_decisions"]] == [11, 21]
   assert set(s["control_error_mean"]) == set(live.CHECKED)
   # A decision outside the limits is clamped: never above the staleness rule.
   ctl._apply(live.Decision(admission_bound=10**6, decode_slots=10**6, predicted={},

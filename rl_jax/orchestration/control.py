@@ -1,6 +1,7 @@
 """Live capacity control (rl.control): the capacity planner inside the run.
 
-Every rl.control_every optimizer steps (a window), on the trainer thread right after the
+Every rl.control_every optimizer steps (a window; the first starts after the run's first
+logged step, which holds the compilations), on the trainer thread right after the
 step's metrics row, `Controller.after_row`:
   1. measures the window: its metrics rows (with the row before it) and the increase of
      the filter-rate counters, and the sampler/trainer busy intervals;
@@ -61,8 +62,8 @@ class Controller:
     """The control/* metrics of the row after optimizer step `step`; at the end of a
     window, after deciding the next one."""
     self._rows.append(row)
-    if self._start is None:
-      self._start = step - 1
+    if self._start is None:  # the run's first row is the row before the first window
+      self._start = step
     out = {}
     # A refit needs 3 rows after the one before the window (fit_sampler_direct).
     if step - self._start >= self.every and len(self._rows) >= 4:
