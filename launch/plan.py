@@ -5,7 +5,7 @@
       [--max-discard 0.05] [--turns-per-episode 2 [--turns-dist geometric]
       [--observation-tokens 16]] [--filter-rate 0.3] [--out DIR] [--config.x=y ...]
   python launch/plan.py --config configs/default.py --validate WORKDIR [--profile PILOT]
-  python launch/plan.py --from-run WORKDIR [--window STEPS]
+  python launch/plan.py --from-run WORKDIR [--window STEPS]   (the run's config.json)
 
 --profile fits the throughput models and distributions from a pilot's workdir;
 --validate compares the prediction for that run's own configuration with what it observed.
@@ -44,7 +44,10 @@ def _ints(text, flag, auto=False, kind=int):
 def _main(argv):
   if cli.print_help(argv, __doc__):
     return 0
-  cfg, rest = config_lib.parse_args(argv)
+  # --from-run reads the run's own config.json; --config is then only its fallback.
+  base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "configs", "base.py")
+  cfg, rest = config_lib.parse_args(argv, default_config=base if "--from-run" in argv else None)
   config_lib.check_before_jax(cfg)
   p = cli.ArgumentParser(description=__doc__)
   p.add_argument("--devices", type=int)

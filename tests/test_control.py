@@ -4,6 +4,8 @@ plan.py, the window-ahead check, advice printed once per change, sync untouched.
 import collections
 import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -202,3 +204,30 @@ def test_control_is_off_in_sync_mode_and_auto_means_async():
     cfg = _cfg(f"--config.rl.mode={mode}", f"--config.rl.control={setting}")
     assert control.active(cfg) is on, (mode, setting)
   assert control.active(_cfg("--config.rl.control=admission"), processes=2) is False
+
+
+def test_plan_py_from_run_prints_the_refit_table_and_the_live_advice(tmp_path):
+  """A finished run whose publications cost as much as a train step: plan.py --from-run
+  refits its last window as the controller does and gives the controller's advice."""
+  cfg = _cfg("--config.rl.control_every=10")
+  prof = _profile(train_fixed_s=0.01, decode_step_s=1e-5)
+  prof.weight_sync_s = 0.05
+  rows = _rows(cfg, prof, 30)
+  run = tmp_path / "run"
+  os.makedirs(run)
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (run / "summary.json").write_text(json.dumps({"groups_completed": 240}))
+  (run / "config.json").write_text(cfg.to_json())
+  # The controller's advice at the end of the run's last window (steps 21..30).
+  ctl = _controller(cfg)
+  for r in rows[19:]:  # from step 20: the row before the window
+    ctl.after_row(r["step"], r)
+  assert [a["step"] for a in ctl.advice] == [30]
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan.py"),
+                         "--from-run", str(run)], capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert f"refit from the last 10 optimizer steps of {run}" in proc.stdout
+  assert "steps_per_hour" in proc.stdout and "trainer_busy_frac" in proc.stdout
+  assert proc.stdout.rstrip().endswith(
+      "restart with: " + " ".join(ctl.advice[-1]["overrides"]))
