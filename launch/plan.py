@@ -100,19 +100,7 @@ def _main(argv):
 def _from_run(workdir, cfg, window):
   from rl_jax.planner import live
   pilot = planner.profile.load_pilot(workdir, flag="--from-run", cfg=cfg)
-  steps = window or int(getattr(pilot.cfg.rl, "control_every", 20))
-  if steps < 3:
-    sys.exit(f"error: --window must be >= 3 steps, got {steps}")
-  profile, table, advice = live.from_run(pilot, steps=steps)
-  print(f"refit from the last {steps} optimizer steps of {workdir}:")
-  print("\n".join(f"  {n}" for n in profile.notes))
-  print(planner.format_validation(table))
-  if advice is None:
-    print("advice: no split, weight-sync cadence or group size predicts >= 15% more "
-          "optimizer steps per hour at this staleness bound")
-  else:
-    print(f"advice: {advice['change']} predicts {100 * advice['gain']:+.0f}% optimizer "
-          f"steps/hour; restart with: {' '.join(advice['overrides'])}")
+  print(live.format_from_run(pilot, steps=window))
   return 0
 
 

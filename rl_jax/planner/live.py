@@ -190,3 +190,22 @@ def from_run(pilot: profile_lib.Pilot, *, steps: int, min_gain: float = 0.15,
            for k in (*CHECKED, "sampler_busy_frac", "trainer_busy_frac", "discard_rate")]
   advice = advise(pilot.cfg, profile, num_steps=steps, min_gain=min_gain, device=device)
   return profile, table, advice
+
+
+def format_from_run(pilot: profile_lib.Pilot, *, steps: int | None = None) -> str:
+  """plan.py --from-run's text: the refit notes and table of the run's last window of
+  `steps` (default its rl.control_every) optimizer steps, then the advice line."""
+  from rl_jax.planner.render import format_validation
+  steps = steps or int(getattr(pilot.cfg.rl, "control_every", 20))
+  if steps < 3:
+    raise capacity.PlanError(f"--window must be >= 3 steps, got {steps}")
+  profile, table, advice = from_run(pilot, steps=steps)
+  lines = [f"refit from the last {steps} optimizer steps of {pilot.workdir}:"]
+  lines += [f"  {n}" for n in profile.notes] + [format_validation(table)]
+  if advice is None:
+    lines.append("advice: no split, weight-sync cadence or group size predicts >= 15% more "
+                 "optimizer steps per hour at this staleness bound")
+  else:
+    lines.append(f"advice: {advice['change']} predicts {100 * advice['gain']:+.0f}% optimizer "
+                 f"steps/hour; restart with: {' '.join(advice['overrides'])}")
+  return "\n".join(lines)
