@@ -89,8 +89,8 @@ def test_decisions_stay_within_limits_and_aim_at_a_busy_trainer(train_fixed_s, d
   assert lo <= d.admission_bound <= hi
   assert cfg.rl.group_size <= d.decode_slots <= cfg.sampler.max_concurrent_decodes
   # Hand check of the rule: steps/h of each bound at every slot, the smallest within 3%.
-  preds = {b: live.predict(cfg, prof, num_steps=20, max_inflight_groups=b)["steps_per_hour"]
-           for b in (8, 12, 16, 20, 24)}
+  preds = {b: live.predict(cfg, prof, num_steps=10, max_inflight_groups=b)["steps_per_hour"]
+           for b in (8, 13, 19, 24)}  # 4 values evenly spaced over [8, 24]
   best = max(preds.values())
   assert d.admission_bound == min(b for b, v in preds.items() if v >= 0.97 * best)
   if expect == "lo":

@@ -96,7 +96,7 @@ class Controller:
     try:
       profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
       decision = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
-      advice = live.advise(self.cfg, profile, num_steps=self.every)
+      advice = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3))
     except UserError as e:
       self._note(f"control: window ending at step {step} not refitted, settings kept: {e}")
       self._predicted = None

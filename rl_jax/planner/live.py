@@ -3,14 +3,17 @@ the window-ahead check of the prediction, and advice for what only a restart can
 
 A window is the metrics rows of the last rl.control_every optimizer steps plus the row
 before them (`window_pilot`); `capacity.refit` fits the planner's models from it, the
-same fit as plan.py --profile / --validate. Every prediction simulates the run's own
-configuration (capacity.scenario on its layout) for 2 windows from an empty pipeline and
-reads the steady state of the second (`profile.steady_state` over the last half of the
-rows), which is what the next window of the warm run measures.
+same fit as plan.py --profile / --validate. A prediction simulates the run's own
+configuration (capacity.scenario on its layout) from an empty pipeline for `warm-up +
+window` steps, warm-up = max_staleness + 2 (the steps a pipeline takes to fill), and
+reads the steady state of the window (`profile.steady_state` of its rows), which is what
+the next window of the warm run measures. The simulations are the controller's cost
+(pipeline time: control/seconds), so they are few: 5 for a decision; for the advice,
+the configuration and each alternative over half a window.
 
   decide   admission bounds b in admission_range() = [lo, hi] (StalenessPolicy: never
-           above the staleness rule), up to 5 values evenly spaced, at every decode
-           slot; then slot limits k in {S, S/2, S/4} (S = sampler.max_concurrent_decodes,
+           above the staleness rule), up to 4 values evenly spaced, at every decode
+           slot; then the slot limit k in {S, S/2} (S = sampler.max_concurrent_decodes,
            k >= group_size) at the chosen b. Each pick is the smallest value whose
            predicted steps/hour is within `tolerance` of the best: the fewest groups in
            flight (least staleness, fewest discards) that keeps the trainer as busy,
@@ -61,14 +64,16 @@ def _tensor(sub) -> int:
 
 def predict(cfg, profile, *, num_steps: int, layout=None, max_inflight_groups=None,
             decode_slots: int | None = None, device: DeviceSpec = DEVICES["h200"]) -> dict:
-  """profile.steady_state of the last half of a simulated run of `num_steps` steps."""
+  """profile.steady_state of `num_steps` simulated steps after the warm-up ones."""
   model_cfg, params = capacity.model_shape(cfg)
+  warmup = int(cfg.rl.max_staleness) + 2
   sc = capacity.scenario(cfg, layout=layout or capacity.pilot_layout(cfg), profile=profile,
                          model_cfg=model_cfg, params=params, device=device,
-                         num_steps=num_steps, max_inflight_groups=max_inflight_groups)
+                         num_steps=warmup + num_steps, max_inflight_groups=max_inflight_groups)
   if decode_slots is not None:
     sc = dataclasses.replace(sc, decode_slots=min(int(decode_slots), sc.decode_slots))
-  return profile_lib.steady_state(simulate(sc).rows, skip_frac=0.5)
+  rows = simulate(sc).rows
+  return profile_lib.steady_state(rows[warmup - 1:], skip_frac=0.0)
 
 
 def _smallest_near_best(options: list[int], preds: list[dict], tolerance: float) -> int:
@@ -80,11 +85,11 @@ def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
            device: DeviceSpec = DEVICES["h200"]) -> Decision:
   """The admission bound and decode slots for the next window (module docstring)."""
   lo, hi = policy.admission_range()
-  bounds = sorted({policy.clamp(int(round(b))) for b in np.linspace(lo, hi, 5)})
+  bounds = sorted({policy.clamp(int(round(b))) for b in np.linspace(lo, hi, 4)})
   slots_max = int(cfg.sampler.max_concurrent_decodes)
   g = int(cfg.rl.group_size)
-  slot_options = sorted({slots_max} | {slots_max // d for d in (2, 4) if slots_max // d >= g})
-  steps = 2 * window_steps
+  slot_options = sorted({slots_max} | ({slots_max // 2} if slots_max // 2 >= g else set()))
+  steps = window_steps
   at_bound = [predict(cfg, profile, num_steps=steps, max_inflight_groups=b, device=device)
               for b in bounds]
   bound = _smallest_near_best(bounds, at_bound, tolerance)
@@ -183,12 +188,13 @@ def from_run(pilot: profile_lib.Pilot, *, steps: int, min_gain: float = 0.15,
   prediction being what live control would predict for a next window."""
   win = last_window(pilot, steps)
   profile = capacity.refit(win, device=device)
-  predicted = predict(pilot.cfg, profile, num_steps=2 * steps, device=device)
+  predicted = predict(pilot.cfg, profile, num_steps=steps, device=device)
   observed = profile_lib.steady_state(win.rows, skip_frac=0.0)
   table = [{"metric": k, "predicted": predicted[k], "observed": observed[k],
             "rel_err": (predicted[k] - observed[k]) / observed[k] if observed[k] else None}
            for k in (*CHECKED, "sampler_busy_frac", "trainer_busy_frac", "discard_rate")]
-  advice = advise(pilot.cfg, profile, num_steps=steps, min_gain=min_gain, device=device)
+  advice = advise(pilot.cfg, profile, num_steps=max(steps // 2, 3), min_gain=min_gain,
+                  device=device)
   return profile, table, advice
 
 
