@@ -2,8 +2,8 @@
 
 2-digit addition where the reward pays for the working (rl_jax/tasks/carries.py): a
 correct bare answer ("132") earns 0.5, a correct answer with every column step shown
-("7+5=12 4+8+1=13 =132") earns 1. The warm-up teaches mostly bare answers (a tenth of
-its demonstrations show the working), so RL starts short, finds that showing the carries
+("7+5=12 4+8+1=13 =132") earns 1. The warm-up teaches mostly bare answers (a quarter of
+its demonstrations show the working), so RL starts mostly short, finds that showing the carries
 pays, and the completions grow from about 4 to about 21 tokens. The pipeline calibrated
 for short answers (sampler slots, admission bound) becomes unbalanced as they grow.
 
@@ -23,7 +23,7 @@ def get_config(arg=None):
     raise ValueError(f"unknown variant {next(iter(variants))!r}; known: mode, control")
   c.task.name = "carries"
   c.task.digits = 2
-  c.task.working_demo_fraction = 0.1
+  c.task.working_demo_fraction = 0.25
   c.data.max_prompt_length = 8  # "99+99=" and bos
   c.sampler.max_prefill_length = 8
   c.sampler.max_new_tokens = 24

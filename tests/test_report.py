@@ -109,3 +109,17 @@ def test_heldout_plot_alone_as_png_or_svg(tmp_path):
   assert "<svg" in svg and "sync" in svg and "async" in svg and "default" in svg
   with pytest.raises(report.ReportError, match=r"--plot .*x\.pdf.*\.png or \.svg"):
     report.plot_heldout(runs, str(tmp_path / "x.pdf"))
+
+
+def test_pipeline_windows_from_cumulative_columns():
+  # Steps 0..4, 2 s per step; the trainer busy 1 s per step (busy_frac = 0.5 throughout);
+  # 3 groups accepted and, from step 3 on, 1 discarded per step.
+  rows = [{"step": s, "time_s": 2.0 * s, "trainer/busy_frac": 0.5,
+           "staleness/accepted": 3 * s, "staleness/discarded": max(s - 2, 0),
+           "staleness/mean": 0.25 * s} for s in range(5)]
+  w = report.pipeline_windows(rows, every=2)
+  assert list(w["time_s"]) == [4.0, 8.0]
+  assert list(w["steps_per_hour"]) == [1800.0, 1800.0]
+  assert list(w["trainer_busy_frac"]) == [0.5, 0.5]
+  assert list(w["discard_rate"]) == [0.0, pytest.approx(2 / 8)]
+  assert list(w["staleness"]) == [pytest.approx(0.375), pytest.approx(0.875)]
