@@ -2,12 +2,13 @@
 
 2-digit addition where the reward pays for the working (rl_jax/tasks/carries.py): a
 correct bare answer ("132") earns 0.5, a correct answer with every column step shown
-("7+5=12 4+8+1=13 =132") earns 1. The warm-up teaches mostly bare answers (a quarter of
-its demonstrations show the working), so RL starts mostly short, finds that showing the carries
-pays, and the completions grow from about 4 to about 21 tokens. The pipeline calibrated
-for short answers (sampler slots, admission bound) becomes unbalanced as they grow.
+("7+5=12 4+8+1=13 =132") earns 1. The warm-up teaches mostly bare answers (a quarter
+of its demonstrations show the working), so RL starts mostly short, finds that showing
+the carries pays, and the median completion grows from 4 to about 16 tokens. The pipeline
+calibrated for short answers (sampler slots, admission bound) becomes unbalanced.
 
-Otherwise the embedded default's model, mesh, batch and verifier latency. Variants:
+Otherwise the embedded default's model, mesh, batch and verifier latency; half its
+decode slots. Variants:
 `:control=off` (a fixed admission bound, (max_staleness + 1) x groups_per_step),
 `:mode=sync`.
 """
@@ -31,6 +32,13 @@ def get_config(arg=None):
   # Padded rows: 2 batch shapes (one per length bucket). Packing's row counts follow the
   # drifting lengths and would compile a new train step every few steps on this CPU.
   c.trainer.packing = "off"
+  # Half the default's decode slots: a batch of short answers fits them, one that shows
+  # its working (5x the tokens) does not, and the largest generate program (the slowest
+  # CPU compile) halves.
+  c.sampler.max_concurrent_decodes = 128
   c.rl.total_steps = 300
+  # A CPU compile of a new generate shape can stall the pipeline for minutes on a loaded
+  # machine; that is not a verifier outage.
+  c.rl.verifier_patience_s = 900.0
   c.rl.control_every = 20
   return c

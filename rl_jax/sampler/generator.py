@@ -22,8 +22,7 @@ step's call while the host prepares the next step, so the host learns of a stop 
 one call late and a call may cover a slot whose sequence already ended (the device
 leaves it idle); a budget that runs out in the call in flight frees its slot and pages
 before the next call (_release_ending). slot_steps - tokens_generated counts the
-slot-steps spent on idle slots. `slot_limit` (default: every slot) caps the slots in
-use: a live capacity controller lowers it to leave slots idle by choice.
+slot-steps spent on idle slots. `slot_limit` caps the slots in use (live control).
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
