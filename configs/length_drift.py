@@ -36,7 +36,9 @@ def get_config(arg=None):
   # its working (5x the tokens) does not, and the largest generate program (the slowest
   # CPU compile) halves.
   c.sampler.max_concurrent_decodes = 128
-  c.rl.total_steps = 300
+  # Held-out reward passes 0.9 by about step 100 (the default's schedule is 400 steps).
+  c.rl.total_steps = 150
+  c.rl.eval_every = 15
   # A CPU compile of a new generate shape can stall the pipeline for minutes on a loaded
   # machine; that is not a verifier outage.
   c.rl.verifier_patience_s = 900.0
