@@ -231,3 +231,24 @@ def test_plan_py_from_run_prints_the_refit_table_and_the_live_advice(tmp_path):
   assert "steps_per_hour" in proc.stdout and "trainer_busy_frac" in proc.stdout
   assert proc.stdout.rstrip().endswith(
       "restart with: " + " ".join(ctl.advice[-1]["overrides"]))
+
+
+def test_a_window_that_held_a_stall_keeps_the_settings_and_predicts_nothing():
+  cfg = _cfg()
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 21)
+  assert control.stalled(rows[:11]) == 0.0
+  late = [dict(r) for r in rows]
+  for r in late[15:]:  # step 16 took 100 s more (a compilation)
+    r["time_s"] += 100.0
+  step_s = [b["time_s"] - a["time_s"] for a, b in zip(late[10:20], late[11:21])]
+  assert control.stalled(late[10:21]) == pytest.approx(max(step_s)) and max(step_s) > 100
+  ctl = _controller(cfg)
+  out = [ctl.after_row(r["step"], r) for r in late]
+  assert [d["step"] for d in ctl.decisions] == [11, 21]
+  assert "skipped" not in ctl.decisions[0] and "a 10" in ctl.decisions[1]["skipped"]
+  # The stalled window is still checked against the prediction made for it...
+  assert out[20]["control/steps_per_hour_error"] > 1  # predicted far above measured
+  # ... but decides nothing: the first window's settings stay.
+  assert out[20]["control/admission_bound"] == ctl.decisions[0]["admission_bound"]
+  assert "control/predicted_steps_per_hour" not in out[20] and ctl._predicted is None
+  assert ctl.console.lines[-1].endswith("no prediction (noted once per run)")

@@ -20,7 +20,9 @@ Active when rl.control is "admission", or "auto" in async mode, with one process
 mode admits one batch per step at its barrier, so the controller never acts there and a
 sync run stays reproducible bit for bit; a multi-process run keeps its settings (the
 followers replay the leader's admissions, not its slot limit).
-A window whose refit fails (e.g. no trainer time in it) keeps the settings, noted once.
+A window whose refit fails (e.g. no trainer time in it), or that held a stall (a step
+taking over STALL x the window's median step time: an XLA compilation of a new shape,
+minutes on a loaded CPU), keeps the settings and makes no prediction; noted once.
 """
 from __future__ import annotations
 
@@ -38,6 +40,20 @@ def active(cfg, processes: int = 1) -> bool:
   rl = cfg.rl
   wanted = rl.control == "admission" or (rl.control == "auto" and rl.mode == "async")
   return wanted and rl.mode == "async" and processes == 1
+
+
+STALL = 10.0
+
+
+def stalled(rows: list[dict]) -> float:
+  """The longest step time of the window's rows when it exceeds STALL x their median,
+  else 0 (rows[0] is the row before the window)."""
+  t = np.asarray([r["time_s"] for r in rows], np.float64)
+  steps = np.asarray([r["step"] for r in rows], np.float64)
+  per_step = np.diff(t) / np.maximum(np.diff(steps), 1)
+  if len(per_step) < 3 or per_step.max() <= STALL * np.median(per_step):
+    return 0.0
+  return float(per_step.max())
 
 
 class Controller:
@@ -93,13 +109,20 @@ class Controller:
       out.update({"control/steps_per_hour_error": err["steps_per_hour"],
                   "control/queue_depth_error": err["queue_depth_mean"],
                   "control/staleness_error": err["staleness_mean"]})
-    try:
-      profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
-      decision = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
-      advice = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3))
-    except UserError as e:
-      self._note(f"control: window ending at step {step} not refitted, settings kept: {e}")
+    stall = stalled(rows)
+    reason = f"a {stall:.0f}s step (an XLA compilation?)" if stall else ""
+    if not reason:
+      try:
+        profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
+        decision = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
+        advice = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3))
+      except UserError as e:
+        reason = f"no refit: {e}"
+    if reason:
+      self._note(f"control: the window ending at step {step} held {reason}; settings kept, "
+                 f"no prediction")
       self._predicted = None
+      self.decisions.append({**entry, "skipped": reason})
       return out
     self._apply(decision)
     self._predicted = decision.predicted
@@ -139,8 +162,9 @@ class Controller:
       self.console.message(text + " (noted once per run)")
 
   def summary(self) -> dict:
-    """control_decisions, control_advice and control_error_mean (mean |relative error|
-    of each checked prediction) for summary.json."""
+    """control_decisions (windows without a decision have "skipped": why),
+    control_advice and control_error_mean (mean |relative error| of each checked
+    prediction) for summary.json."""
     errs = [d["errors"] for d in self.decisions if "errors" in d]
     keys = errs[0].keys() if errs else ()
     return {"control_decisions": self.decisions, "control_advice": self.advice,
