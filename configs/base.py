@@ -113,6 +113,13 @@ def get_config(arg=None):
   c.rl.max_oversample = 4  # filtering samples at most this many x the batch per step
   c.rl.overlong = "none"  # none | mask (truncated completions out of the loss) | penalty
   c.rl.overlong_buffer = 0  # penalty: tokens before the limit where the penalty ramps
+  # Live capacity control (rl_jax/orchestration/control.py): off | admission | auto.
+  # admission: every control_every optimizer steps the planner's models are refitted from
+  # the run's own recent metrics and set the async admission bound and the decode slots in
+  # use (within the config's limits and the staleness rule). auto: admission in async
+  # mode, off in sync mode (which it never changes).
+  c.rl.control = "auto"
+  c.rl.control_every = 20  # optimizer steps per control window
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on generated demonstrations before RL
@@ -120,7 +127,7 @@ def get_config(arg=None):
   c.warmstart.learning_rate = 1e-3
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "arithmetic"  # arithmetic | calculator | countdown | gsm8k | jsonl
+  c.task.name = "arithmetic"  # arithmetic | calculator | carries | countdown | gsm8k | jsonl
   c.task.path = ""  # data file for gsm8k / jsonl: .jsonl, .json (lines) or .parquet
   c.task.eval_path = ""  # gsm8k / jsonl: held-out file (e.g. test split); "": split task.path
   c.task.prompt_template = "{question}\nAnswer:"  # gsm8k: prompt text around the question
@@ -130,6 +137,7 @@ def get_config(arg=None):
   c.task.operators = "+"
   c.task.format_reward = 0.0  # weight of the optional format reward
   c.task.tool_demo_fraction = 0.5  # calculator: share of warm-up demonstrations that call the tool
+  c.task.working_demo_fraction = 0.1  # carries: share of warm-up demonstrations showing the working
   c.task.heldout_size = 256
   c.task.heldout_fraction = 0.1  # hash-based share of prompts kept for held-out
 

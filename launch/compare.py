@@ -25,7 +25,9 @@ rl.filter_groups=none,zero_variance) in each of --modes (default sync,async): ru
 <workdir>/<value>/<mode>_seed<k> (<workdir>/<value>/<mode> with one seed), and each
 mode's headline gives time to A's median final reward and both values' finals as median
 [min, max] over seeds, with the sampler busy fraction and, when groups were filtered,
-the filtered share and groups sampled per trained group.
+the filtered share and groups sampled per trained group; when a run used live control
+(rl.control), also steps per hour, trainer busy fraction, discard rate and mean staleness
+(report.pipeline_summary), and the report plots them over time.
 """
 import os
 import subprocess
@@ -76,16 +78,21 @@ def _arms(args, overrides) -> dict[str, list[tuple[str, list[str]]]]:
 
 def _ab_headline(loaded: dict[str, list[dict]], modes: list[str]) -> str:
   """Per mode: seeds_headline over the two values' runs, then each value's sampler busy
-  fraction and (when it filtered groups) filtered share and sampled per trained group."""
+  fraction, (with live control) report.PIPELINE_KEYS and (when it filtered groups)
+  filtered share and sampled per trained group."""
   lines = []
   for m in modes:
     arms = {label: [r["summary"] for r in runs] for label, runs in loaded.items()
             if label.split(" ", 1)[0] == m}
     extra = []
+    controlled = any("control_decisions" in s for sums in arms.values() for s in sums)
     for label, sums in arms.items():
       value = label.split(" ", 1)[1]
       busy = report.median_range([s["sampler_busy_frac"] for s in sums])
       part = f"{value}: sampler busy {busy}"
+      if controlled:
+        part += "".join(f", {k.replace('_', ' ')} " + report.median_range(
+            [report.pipeline_summary(s)[k] for s in sums]) for k in report.PIPELINE_KEYS)
       if any(s.get("groups_filtered_zero_variance") for s in sums):
         part += (f", filtered share {report.median_range([s['filtered_share'] for s in sums])}"
                  f", sampled per trained "

@@ -270,12 +270,12 @@ DOMAINS = {
     "rl.total_steps": ">= 1", "rl.groups_per_step": ">= 1", "rl.group_size": ">= 2",
     "rl.max_staleness": ">= 0", "rl.max_inflight_groups": ">= -1", "rl.queue_maxsize": ">= 1",
     "rl.weight_sync_every": ">= 1", "rl.eval_every": ">= 0", "rl.verifier_patience_s": "> 0",
-    "rl.max_oversample": ">= 1", "rl.overlong_buffer": ">= 0",
+    "rl.max_oversample": ">= 1", "rl.overlong_buffer": ">= 0", "rl.control_every": ">= 3",
     "warmstart.steps": ">= 0", "warmstart.batch_size": ">= 1", "warmstart.learning_rate": "> 0",
     # 10**digits must fit the int64 the procedural tasks draw operands with.
     "task.digits": "[1, 18]", "task.num_terms": ">= 2", "task.format_reward": ">= 0",
     "task.heldout_size": ">= 1", "task.heldout_fraction": "(0, 1)",
-    "task.tool_demo_fraction": "[0, 1]",
+    "task.tool_demo_fraction": "[0, 1]", "task.working_demo_fraction": "[0, 1]",
     "env.max_turns": ">= 1", "env.max_total_tokens": ">= 0", "env.tool.workers": ">= 1",
     "env.tool.timeout_s": "> 0", "env.tool.retries": ">= 0", "env.tool.latency_mean_s": ">= 0",
     "env.tool.latency_sigma": "> 0", "env.tool.latency_alpha": "> 0",
@@ -295,7 +295,8 @@ _DOMAIN_NOTES = {
     "trainer.loss_norm_len": "0 = sampler.max_new_tokens",
     "trainer.logprob_chunk_len": "0 = whole sequence",
     "trainer.logprob_save_bytes": "0 = always recompute the lm head's logits",
-    "rl.max_staleness": "0 = on-policy only", "rl.max_inflight_groups": "-1 = auto",
+    "rl.max_staleness": "0 = on-policy only",
+    "rl.control_every": "a window needs 3 logged steps to refit the planner's models", "rl.max_inflight_groups": "-1 = auto",
     "rl.group_size": "group advantages compare completions of one prompt",
     "checkpoint.every": "0 = off", "rl.eval_every": "0 = only at start and end",
     "env.max_total_tokens": "0 = sampler.max_new_tokens",
@@ -423,6 +424,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "rl.mode", ("sync", "async"))
   _choice(cfg, "rl.filter_groups", ("none", "zero_variance"))
   _choice(cfg, "rl.overlong", ("none", "mask", "penalty"))
+  _choice(cfg, "rl.control", ("auto", "off", "admission"))
   _choice(cfg, "model.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.remat", ("none", "full", "dots"))

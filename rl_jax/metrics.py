@@ -41,6 +41,17 @@ Names are flat and prefixed by area, following the seed's monitoring table:
                  the prefix; filtered_share (filtered / completed groups) and
                  sampled_per_trained (groups admitted per group trained), since the last row
   checkpoint/*   last_step (newest committed checkpoint step, -1 before one), blocking_s
+  control/*      live capacity control (rl.control, rl_jax/orchestration/control.py):
+                 admission_bound (groups that may be admitted ahead of the trainer: in
+                 flight + queued + held) and decode_slots (slots the sampler may use) in
+                 force after the step, every row; at the end of each window (every
+                 rl.control_every steps) the next window's predicted_steps_per_hour,
+                 predicted_queue_depth, predicted_staleness, predicted_discard_rate, the
+                 window's measured_steps_per_hour, simulations run and seconds spent
+                 controlling (pipeline time), and the window-ahead check of the previous
+                 window's prediction against this window's measurement:
+                 steps_per_hour_error, queue_depth_error, staleness_error =
+                 (predicted - measured) / measured (queue depth, staleness: / max(measured, 1))
   env/*          tool use (tasks with an environment): turns_mean, tool_calls_mean and
                  tool_call_rate (share with >= 1 call) of the rollouts finished since the
                  last row; tool_error_rate since the last row; running totals
@@ -85,6 +96,11 @@ DESCRIPTIONS = {
     "env/heldout_tool_call_rate": "share of greedy held-out episodes that call the tool at "
                                   "least once",
     "sampler/parked": "sequences parked waiting for a tool: KV pages held, decode slot free",
+    "control/admission_bound": "groups the live controller lets be admitted ahead of the "
+                               "trainer (in flight + queued + held), within the staleness rule",
+    "control/decode_slots": "decode slots the live controller lets the sampler use",
+    "control/steps_per_hour_error": "(predicted - measured) / measured optimizer steps per "
+                                    "hour of a control window, predicted one window ahead",
 }
 
 
@@ -239,6 +255,11 @@ class Console:
             f"stale {g('staleness/mean', '{:.2f}')} (disc {g('staleness/discarded', '{:d}')}) "
             f"samp {g('sampler/tokens_per_s', '{:.0f}')} tok/s "
             f"train {g('trainer/tokens_per_s', '{:.0f}')} tok/s")
+    if "control/admission_bound" in m:
+      text += (f" ctl adm {g('control/admission_bound', '{:d}')} "
+               f"slots {g('control/decode_slots', '{:d}')}")
+      if "control/predicted_steps_per_hour" in m:
+        text += f" pred {g('control/predicted_steps_per_hour', '{:.0f}')} steps/h"
     if "env/tool_call_rate" in m:
       text += (f" tool calls {g('env/tool_call_rate', '{:.2f}')} "
                f"(held-out {g('env/heldout_tool_call_rate', '{:.2f}')}) "

@@ -245,7 +245,97 @@ def make_plots(runs: list[dict], outdir: str) -> list[str]:
   tool_runs = [r for r in runs if r["summary"].get("heldout_tool_call_rate_curve")]
   if tool_runs:
     save(_tool_figure(plt, tool_runs), "tool_use.png")
+  save(_pipeline_figure(plt, runs), "pipeline_over_time.png")
+  if any(_series(r["rows"], "control/admission_bound")[0].size for r in runs):
+    save(_control_figure(plt, runs), "control.png")
   return files
+
+
+def pipeline_windows(rows: list[dict], every: int = 20) -> dict[str, np.ndarray]:
+  """Per window of `every` rows (and the row before it), at the window's end time:
+  steps_per_hour, trainer_busy_frac, discard_rate (discarded / (discarded + accepted)
+  groups) and staleness (mean of staleness/mean), from the cumulative columns."""
+  rows = [r for r in rows if "staleness/accepted" in r and "time_s" in r]
+  out = {k: [] for k in ("time_s", "steps_per_hour", "trainer_busy_frac", "discard_rate",
+                         "staleness")}
+  for a, b in zip(rows[:-every:every], rows[every::every]):
+    dt = max(b["time_s"] - a["time_s"], 1e-9)
+    disc = b["staleness/discarded"] - a["staleness/discarded"]
+    acc = b["staleness/accepted"] - a["staleness/accepted"]
+    win = [r for r in rows if a["step"] < r["step"] <= b["step"]]
+    out["time_s"].append(b["time_s"])
+    out["steps_per_hour"].append((b["step"] - a["step"]) / dt * 3600)
+    out["trainer_busy_frac"].append((b["trainer/busy_frac"] * b["time_s"] -
+                                     a["trainer/busy_frac"] * a["time_s"]) / dt)
+    out["discard_rate"].append(disc / max(disc + acc, 1))
+    out["staleness"].append(float(np.mean([r.get("staleness/mean", 0.0) for r in win])))
+  return {k: np.asarray(v, float) for k, v in out.items()}
+
+
+PIPELINE_KEYS = ("steps_per_hour", "trainer_busy_frac", "discard_rate", "staleness")
+
+
+def pipeline_summary(summary: dict) -> dict[str, float]:
+  """A run's steps_per_hour (optimizer steps / wall_time_s x 3600), trainer_busy_frac,
+  discard_rate (discarded / (discarded + trained) groups) and staleness (mean over the
+  trained groups' staleness histogram)."""
+  hist = {int(k): v for k, v in summary.get("staleness_histogram", {}).items()}
+  trained = sum(hist.values())
+  disc = summary.get("groups_discarded_stale", 0)
+  return {"steps_per_hour": summary["optimizer_steps"] / max(summary["wall_time_s"], 1e-9) * 3600,
+          "trainer_busy_frac": summary["trainer_busy_frac"],
+          "discard_rate": disc / max(disc + trained, 1),
+          "staleness": sum(k * v for k, v in hist.items()) / max(trained, 1)}
+
+
+def _pipeline_figure(plt, runs):
+  """Steps/h, trainer busy fraction, discard rate and staleness per 20-step window."""
+  fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+  keys = (("steps_per_hour", "optimizer steps / hour"), ("trainer_busy_frac", "trainer busy"),
+          ("discard_rate", "discarded / consumed groups"), ("staleness", "mean staleness"))
+  for i, run in enumerate(runs):
+    w = pipeline_windows(run["rows"])
+    for ax, (key, _) in zip(axes, keys):
+      ax.plot(w["time_s"], w[key], "o-", color=f"C{i}", label=run["name"])
+  for ax, (_, label) in zip(axes, keys):
+    ax.set_xlabel("pipeline wall time (s)")
+    ax.set_ylabel(label)
+    ax.set_title(f"{label} (20-step windows)", fontsize=9)
+    ax.legend(fontsize=6)
+  return fig
+
+
+def _control_figure(plt, runs):
+  """Live control (rl.control): the admission bound and decode slots in force, steps/h
+  predicted one window ahead against measured, and the window-ahead relative errors."""
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+  for i, run in enumerate(runs):
+    rows, name = run["rows"], run["name"]
+    for key, style in (("control/admission_bound", "-"), ("control/decode_slots", ":")):
+      t, v = _series(rows, key)
+      axes[0].step(t, v, style, where="post", color=f"C{i}",
+                   label=f"{name} {key.split('/')[1]}")
+    # Each window's prediction is for the next window: drawn at the next window's end.
+    t, pred = _series(rows, "control/predicted_steps_per_hour")
+    tm, meas = _series(rows, "control/measured_steps_per_hour")
+    axes[1].plot(tm, meas, "o-", color=f"C{i}", label=f"{name} measured")
+    if len(t) > 1:
+      axes[1].plot(tm[1:len(pred)], pred[:len(tm) - 1], "x--", color=f"C{i}",
+                   label=f"{name} predicted a window ahead")
+    for key, style in (("steps_per_hour", "o-"), ("queue_depth", "s:"), ("staleness", "^--")):
+      t, v = _series(rows, f"control/{key}_error")
+      if len(t):
+        axes[2].plot(t, 100 * v, style, color=f"C{i}", label=f"{name} {key}")
+  axes[2].axhspan(-15, 15, color="0.9")
+  for ax, (ylabel, title) in zip(axes, (
+      ("groups / slots", "Admission bound and decode slots"),
+      ("optimizer steps / hour", "Steps/h: measured vs predicted"),
+      ("relative error (%)", "Window-ahead prediction error"))):
+    ax.set_xlabel("pipeline wall time (s)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=6)
+  return fig
 
 
 def _tool_figure(plt, runs):
@@ -283,15 +373,32 @@ _ENV_KEYS = ("heldout_tool_call_rate_initial", "heldout_tool_call_rate_final",
              "parked_pages_max")
 
 
+# Live control: decisions, advice given, and mean |window-ahead error| of each prediction.
+_CONTROL_KEYS = ("control_decisions", "control_advice", "control_steps_per_hour_error",
+                 "control_queue_depth_error", "control_staleness_error")
+
+
+def _control_value(summary: dict, key: str):
+  if key in ("control_decisions", "control_advice"):
+    items = summary.get(key)
+    if key == "control_advice" and items:
+      return "; ".join(f"step {a['step']}: {' '.join(a['overrides'])}" for a in items)
+    return None if items is None else len(items)
+  name = key[len("control_"):-len("_error")]
+  name = name if name == "steps_per_hour" else name + "_mean"
+  return summary.get("control_error_mean", {}).get(name)
+
+
 def write_html(runs: list[dict], outdir: str, headline: str = "") -> str:
   files = make_plots(runs, outdir)
   head = "".join(f"<th>{html.escape(r['name'])}</th>" for r in runs)
   body = ""
   env = any("tool_call_rate" in r["summary"] for r in runs)
-  for k in _KEYS + (_ENV_KEYS if env else ()):
+  control = any("control_error_mean" in r["summary"] for r in runs)
+  for k in _KEYS + (_ENV_KEYS if env else ()) + (_CONTROL_KEYS if control else ()):
     cells = ""
     for r in runs:
-      v = r["summary"].get(k)
+      v = _control_value(r["summary"], k) if k in _CONTROL_KEYS else r["summary"].get(k)
       cells += f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{v}</td>"
     body += f"<tr><td>{k}</td>{cells}</tr>"
   imgs = "".join(f'<p><img src="{f}"></p>' for f in files)

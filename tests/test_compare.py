@@ -164,3 +164,24 @@ def test_ab_and_modes_errors_are_one_line(tmp_path, capsys, flags, message):
                        "--workdir", str(tmp_path), *flags]) == 1
   err = capsys.readouterr().err
   assert message in err and err.count("\n") == 1
+
+
+def test_ab_headline_of_live_control_gives_the_pipeline_figures():
+  compare = _load_compare()
+
+  def summary(wall, disc, busy, control):
+    s = {"heldout_curve": [[0.0, 0, 0.2], [wall / 2, 5, 0.5], [wall, 10, 0.6]],
+         "optimizer_steps": 10, "wall_time_s": wall, "trainer_busy_frac": busy,
+         "sampler_busy_frac": 0.9, "groups_discarded_stale": disc,
+         "staleness_histogram": {"0": 30, "2": 10}}
+    return {**s, "control_decisions": []} if control else s
+
+  loaded = {"async rl.control=off": [{"summary": summary(20.0, 10, 0.4, False)}],
+            "async rl.control=admission": [{"summary": summary(10.0, 0, 0.8, True)}]}
+  line = compare._ab_headline(loaded, ["async"])
+  # off: 10 steps / 20 s = 1800 steps/h, 10 / (10 + 40) discarded, staleness 20 / 40
+  assert ("rl.control=off: sampler busy 0.9 [0.9, 0.9], steps per hour 1.8e+03 [1.8e+03, 1.8e+03], "
+          "trainer busy frac 0.4 [0.4, 0.4], discard rate 0.2 [0.2, 0.2], staleness 0.5 "
+          "[0.5, 0.5]; rl.control=admission: sampler busy 0.9 [0.9, 0.9], steps per hour "
+          "3.6e+03 [3.6e+03, 3.6e+03], trainer busy frac 0.8 [0.8, 0.8], discard rate 0 [0, 0], "
+          "staleness 0.5 [0.5, 0.5]") in line

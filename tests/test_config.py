@@ -68,6 +68,16 @@ def test_sync_baseline_is_default_in_sync_mode():
   assert cfg.to_dict() == base.to_dict()
 
 
+def test_length_drift_config_and_its_variants():
+  for spec, mode, control in (("", "async", "auto"), (":control=off", "async", "off"),
+                              (":mode=sync,control=admission", "sync", "admission")):
+    cfg, _ = load(spec=os.path.join(ROOT, "configs", "length_drift.py") + spec)
+    config_lib.validate(cfg, num_devices=8)
+    assert (cfg.task.name, cfg.rl.mode, cfg.rl.control) == ("carries", mode, control)
+  with pytest.raises(ConfigError, match="unknown variant 'speed'"):
+    load(spec=os.path.join(ROOT, "configs", "length_drift.py") + ":speed=2")
+
+
 def test_no_tool_latency_is_default_without_verifier_latency():
   """The compute-bound workload differs from the default in the injected verifier
   latency only, in both modes (compare.py overrides rl.mode)."""
@@ -155,6 +165,8 @@ def test_bad_file_and_variant(tmp_path):
     ("rl.filter_groups", "uniform", ["rl.filter_groups", "'none', 'zero_variance'"]),
     ("rl.max_oversample", 0, ["rl.max_oversample", ">= 1"]),
     ("rl.overlong", "clip", ["rl.overlong", "'none', 'mask', 'penalty'"]),
+    ("rl.control", "on", ["rl.control", "'auto', 'off', 'admission'"]),
+    ("rl.control_every", 2, ["rl.control_every", ">= 3", "3 logged steps"]),
     ("rl.overlong_buffer", 0, ["rl.overlong_buffer", "[1, sampler.max_new_tokens"]),
 ])
 def test_validation_errors(field, value, words):

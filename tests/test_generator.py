@@ -451,3 +451,23 @@ def test_lend_pool_evaluates_in_the_samplers_pool(params, stop_id):
   for key, r in plain.items():
     np.testing.assert_array_equal(evaluated[key].completion_tokens, r.completion_tokens,
                                   err_msg=str(key))
+
+
+def test_slot_limit_caps_the_slots_in_use_and_keeps_the_samples(engine, params):
+  """Live control lowers Generator.slot_limit: never more sequences decode at once, and
+  every sample is the same tokens (same seeds) as with every slot."""
+  def go(limit):
+    gen = G.Generator(engine, params, sampling=SAMPLING)
+    gen.slot_limit = limit
+    for gid in range(3):
+      gen.add_group(gid, PROMPTS[gid], 2, seed=7 + gid, stop_on_eos=False)
+    peak = []
+    out = run(gen, check=lambda g: peak.append(g._num_decoding))
+    return max(peak), {(r.group_id, r.sample_index): r.completion_tokens for r in out}
+
+  full_peak, full = go(4)
+  peak, limited = go(2)
+  assert full_peak == 4 and peak == 2
+  assert limited.keys() == full.keys()
+  for key, toks in full.items():
+    np.testing.assert_array_equal(limited[key], toks, err_msg=str(key))

@@ -109,7 +109,7 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
 
 def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
-                 "--config.rl.inflight_weight_updates=true")
+                 "--config.rl.inflight_weight_updates=true", "--config.rl.control_every=3")
   kv_bytes = []
   pipe, summary, rollouts = run_pipeline(
       cfg, tmp_path, on_evaluate=lambda p: kv_bytes.append(kv_bytes_per_device(p)))
@@ -119,6 +119,16 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   assert len(kv_bytes) == 3 and 0 < max(kv_bytes) <= cfg.sampler.kv_cache_bytes, kv_bytes
   # admission control: in-flight + queued + being trained never exceeds (S + 1) * B
   assert pipe.queue.policy.max_inflight == 2 * cfg.rl.groups_per_step
+  # Live control (rl.control=auto in async) decided after step 4 (a window of 3 steps
+  # after the first), within the staleness rule's range; its settings are on every row.
+  lo, hi = pipe.policy.admission_range()
+  decisions = summary["control_decisions"]
+  assert [d["step"] for d in decisions] == [4]
+  assert all(lo <= d["admission_bound"] <= hi for d in decisions)
+  assert pipe.queue.limit == decisions[-1]["admission_bound"]
+  assert pipe.worker.generator.slot_limit == decisions[-1]["decode_slots"]
+  rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+  assert all("control/admission_bound" in r for r in rows if "optim/loss" in r)
   assert summary["mode"] == "async"
   # in-flight weight updates: some completions span a publication, and every segment's
   # version was published before the completion finished
@@ -131,9 +141,17 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path):
 
 @pytest.mark.parametrize("sync_every", [1, 2])
 def test_sync_trains_only_on_policy(tmp_path, sync_every):
-  cfg = make_cfg("--config.rl.mode=sync", f"--config.rl.weight_sync_every={sync_every}")
+  # rl.control=admission asks nothing of a sync run: no controller, so the run takes the
+  # code path of the bit-for-bit reproducible sync run (test_resume) with control off.
+  cfg = make_cfg("--config.rl.mode=sync", f"--config.rl.weight_sync_every={sync_every}",
+                 "--config.rl.control=admission", "--config.rl.control_every=3")
   pipe, summary, rollouts = run_pipeline(cfg, tmp_path)
   check_common(pipe, summary, rollouts, tmp_path, max_staleness=0)
+  assert pipe.control is None and pipe.queue.limit is None
+  assert pipe.worker.generator.slot_limit == cfg.sampler.max_concurrent_decodes
+  assert "control_decisions" not in summary
+  rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+  assert not any(k.startswith("control/") for r in rows for k in r)
   assert set(summary["staleness_histogram"]) == {"0"}
   assert summary["rollouts_discarded_stale"] == 0
   # the barrier: nothing is generated beyond the trained batches

@@ -76,6 +76,29 @@ def test_html_report_shows_tool_use(tmp_path):
   assert "tool_use.png" in page and os.path.getsize(tmp_path / "out" / "tool_use.png") > 1000
 
 
+def test_html_report_shows_live_control(tmp_path):
+  d = _workdir(tmp_path, "async", [[0.0, 0, 0.2], [10.0, 10, 0.5]], {"0": 10})
+  summary = json.load(open(os.path.join(d, "summary.json")))
+  summary.update(control_decisions=[{"step": 2}, {"step": 4}],
+                 control_advice=[{"step": 4, "overrides": ["--config.rl.group_size=8"]}],
+                 control_error_mean={"steps_per_hour": 0.125, "queue_depth_mean": 0.5,
+                                     "staleness_mean": 0.25})
+  open(os.path.join(d, "summary.json"), "w").write(json.dumps(summary))
+  rows = [{"step": i, "time_s": float(i), "control/admission_bound": 24 - 2 * i,
+           "control/decode_slots": 64} for i in range(1, 5)]
+  for r, pred, meas, err in ((rows[1], 100.0, 90.0, None), (rows[3], 110.0, 105.0, -0.05)):
+    r.update({"control/predicted_steps_per_hour": pred, "control/measured_steps_per_hour": meas})
+    if err is not None:
+      r.update({"control/steps_per_hour_error": err, "control/queue_depth_error": 0.5,
+                "control/staleness_error": 0.25})
+  open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join(json.dumps(r) for r in rows))
+  page = open(report.write_html([report.load_run(d)], str(tmp_path / "out"))).read()
+  assert "<td>control_decisions</td><td>2</td>" in page
+  assert "<td>control_steps_per_hour_error</td><td>0.125</td>" in page
+  assert "<td>control_advice</td><td>step 4: --config.rl.group_size=8</td>" in page
+  assert "control.png" in page and os.path.getsize(tmp_path / "out" / "control.png") > 1000
+
+
 def test_heldout_plot_alone_as_png_or_svg(tmp_path):
   sync = _workdir(tmp_path, "sync", [[0.0, 0, 0.2], [30.0, 10, 0.5]], {"0": 40})
   async_ = _workdir(tmp_path, "async", [[0.0, 0, 0.2], [10.0, 10, 0.5]], {"0": 10, "2": 30})
@@ -86,3 +109,17 @@ def test_heldout_plot_alone_as_png_or_svg(tmp_path):
   assert "<svg" in svg and "sync" in svg and "async" in svg and "default" in svg
   with pytest.raises(report.ReportError, match=r"--plot .*x\.pdf.*\.png or \.svg"):
     report.plot_heldout(runs, str(tmp_path / "x.pdf"))
+
+
+def test_pipeline_windows_from_cumulative_columns():
+  # Steps 0..4, 2 s per step; the trainer busy 1 s per step (busy_frac = 0.5 throughout);
+  # 3 groups accepted and, from step 3 on, 1 discarded per step.
+  rows = [{"step": s, "time_s": 2.0 * s, "trainer/busy_frac": 0.5,
+           "staleness/accepted": 3 * s, "staleness/discarded": max(s - 2, 0),
+           "staleness/mean": 0.25 * s} for s in range(5)]
+  w = report.pipeline_windows(rows, every=2)
+  assert list(w["time_s"]) == [4.0, 8.0]
+  assert list(w["steps_per_hour"]) == [1800.0, 1800.0]
+  assert list(w["trainer_busy_frac"]) == [0.5, 0.5]
+  assert list(w["discard_rate"]) == [0.0, pytest.approx(2 / 8)]
+  assert list(w["staleness"]) == [pytest.approx(0.375), pytest.approx(0.875)]

@@ -31,7 +31,8 @@ def write_jsonl(path, records):
 
 def test_registry_lists_allowed_names_on_unknown_task():
   assert set(task_names()) >= {"arithmetic", "countdown", "gsm8k", "jsonl"}
-  with pytest.raises(TaskError, match=r"task.name='nope'.*arithmetic, calculator, countdown, gsm8k"):
+  with pytest.raises(TaskError,
+                     match=r"task.name='nope'.*arithmetic, calculator, carries, countdown, gsm8k"):
     make_task(task_cfg(name="nope"))
 
 
@@ -92,6 +93,44 @@ def test_arithmetic_reward(completion, score, fmt):
   reward = task.reward(ex, completion)
   assert (reward.score, reward.components["format"]) == (score, fmt)
   assert reward.total == pytest.approx(score + 0.5 * fmt)
+
+
+@pytest.mark.parametrize("completion, correct, shown", [
+    ("132", 1, 0), (" 132\n", 1, 0), ("7+5=12 4+8+1=13 =132", 1, 1),
+    ("7+5=12 =132", 1, 0.5),  # one of the two columns shown
+    ("7+5=12 4+8=12 =132", 1, 0.5),  # the carry into the tens column is missing
+    ("4+8+1=13 7+5=12 =132", 1, 0),  # steps out of order
+    ("7+5=12 4+8+1=13 =131", 0, 1), ("131", 0, 0), ("", 0, 0),
+    ("7+5=12 4+8+1=13", 0, 0),  # no final answer: nothing parsed
+    ("7+5=12 4+8+1=13 =132 =133", 0, 1), ("=132", 1, 0), (HUGE, 0, 0),
+])
+def test_carries_reward_pays_for_the_working(completion, correct, shown):
+  """total = correct * (1 + shown) / 2, shown = right steps in place / columns."""
+  task = make_task(task_cfg(name="carries"))
+  ex = Example(uid="u", prompt="47+85=", answer="132",
+               meta={"steps": ["7+5=12", "4+8+1=13"]})
+  reward = task.reward(ex, completion)
+  assert (reward.score, reward.components["working"]) == (correct, shown)
+  assert reward.total == pytest.approx(correct * (1 + shown) / 2)
+
+
+def test_carries_examples_and_demonstrations():
+  from rl_jax.tasks.carries import working_steps
+  assert working_steps(47, 85) == ["7+5=12", "4+8+1=13"]
+  assert working_steps(5, 98) == ["5+8=13", "0+9+1=10"]  # a missing digit is 0
+  task = make_task(task_cfg(name="carries", digits=2, working_demo_fraction=0.25), seed=3)
+  worked = 0
+  for i in range(400):
+    ex = task.example(i)
+    a, b = (int(x) for x in ex.prompt[:-1].split("+"))
+    assert ex.answer == str(a + b) and ex.meta["steps"] == working_steps(a, b)
+    demo = task.demonstration(ex)
+    worked += demo != ex.answer
+    # Every demonstration is correct; the worked ones earn the full reward.
+    assert task.reward(ex, demo).total == (1.0 if demo != ex.answer else 0.5)
+  assert 60 <= worked <= 140  # about a quarter
+  with pytest.raises(TaskError, match="task.num_terms must be 2"):
+    make_task(task_cfg(name="carries", num_terms=3))
 
 
 def test_arithmetic_negative_answer():

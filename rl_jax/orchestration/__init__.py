@@ -6,6 +6,8 @@
   rollout_queue   bounded queue of verified groups with the admission counters
   sampler_worker  the sampler thread: admission, generator steps, verification, swaps
   accounting      clock, busy timers, counters, the metrics row, summary.json
+  control         live capacity control (rl.control): refit the planner every window,
+                  set the admission bound and decode slots, advise restarts
   checkpointing   checkpoint cut, save / restore, SIGTERM, failures
   heldout         the fixed held-out set and its greedy evaluation
   weight_sync     trainer mesh -> sampler mesh weight transfer

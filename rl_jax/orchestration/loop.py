@@ -35,6 +35,10 @@ the pipeline alone; its generator borrows the paused sampler's KV pool (no secon
 pool). Counters, the metrics row and summary.json: accounting.py. Checkpoints, resume,
 SIGTERM and failures: checkpointing.py. Supervised warm-up: warmstart.py.
 
+Live capacity control (rl.control, async): every rl.control_every steps the planner
+refits its models from the run's own rows and sets the admission bound and decode slots
+(control.py).
+
 Multi-process (jax.distributed): process 0 runs this pipeline and logs every piece of
 device work with its decisions before launching it; the other processes run no sampler
 thread and no verifiers and replay the log through the same `train_step`, admission and
@@ -51,7 +55,7 @@ import time
 from rl_jax import config as config_lib
 from rl_jax import metrics as metrics_lib
 from rl_jax.errors import UserError
-from rl_jax.orchestration import checkpointing, warmstart
+from rl_jax.orchestration import checkpointing, control, warmstart
 from rl_jax.orchestration.accounting import Clock, RunAccounting
 from rl_jax.orchestration.errors import Preempted, RunError
 from rl_jax.orchestration.heldout import make_heldout
@@ -84,6 +88,9 @@ class Pipeline:
     self.queue = RolloutQueue(self.policy)
     self.writer = metrics_lib.MetricWriter(workdir, cfg.metrics.tensorboard, enabled=process0)
     self._make_workers()
+    self.control = control.Controller(
+        cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
+        console=self.console) if control.active(cfg, jax.process_count()) else None
     self.version = 0  # trainer-owned policy version
     self.heldout_initial: float | None = None
     self.curve: list | None = None  # the held-out curve so far; set once RL starts
@@ -291,6 +298,8 @@ class Pipeline:
     attn = self.trainer.attention.record()
     row.update({"trainer/attention_kernel": attn["attention_kernel"],
                 "trainer/attention_fallback": float(bool(attn["attention_fallback"]))})
+    if self.control is not None:
+      row.update(self.control.after_row(step, row))
     self.writer.write(step, row)
     self.console.line(row)
 
@@ -312,6 +321,7 @@ class Pipeline:
         heldout=(self.heldout_initial, heldout_final), curve=self.curve,
         max_queue_depth=self.queue.max_depth_seen, groups_in_flight=in_flight)
     summary.update(self.trainer.attention.record())
+    summary.update(self.control.summary() if self.control is not None else {})
     if self.tools is not None:
       self.tools.note(wall, step)
       summary.update(self.tools.summary())

@@ -11,7 +11,13 @@ changes the run and its prediction alike. It imports nothing but the standard li
                            in-flight + queued + n <= queue_maxsize, where held counts the
                            groups the trainer dequeued and has not yet released;
                            max_inflight = rl.max_inflight_groups when >= 0, else
-                           (max_staleness + 1) * groups_per_step; sync: groups_per_step
+                           (max_staleness + 1) * groups_per_step; sync: groups_per_step.
+                           A live `limit` (rl.control) replaces max_inflight only within
+                           admission_range()
+  admission_range()        (lo, hi) a live admission limit may take: hi = max_inflight
+                           (the staleness rule's bound, or the configured one), lo =
+                           min(hi, groups_per_step * weight_sync_every), the least that can
+                           still reach a publication (stall_reason); sync: (hi, hi)
   barrier_allows           sync only: groups_per_step groups per optimizer step, admitted
                            once the previous step is done and the sampler runs the
                            trainer's version; async: always
@@ -95,9 +101,23 @@ class StalenessPolicy:
   def accepts(self, staleness: int) -> bool:
     return staleness <= self.bound
 
-  def can_admit(self, *, inflight: int, queued: int, held: int, n: int = 1) -> bool:
+  def admission_range(self) -> tuple[int, int]:
+    """(lo, hi) of a live admission limit (module docstring)."""
+    hi = self.max_inflight
+    if self.sync:
+      return hi, hi
+    return min(hi, self.groups_per_step * self.weight_sync_every), hi
+
+  def clamp(self, limit: int) -> int:
+    """A live admission limit moved into admission_range()."""
+    lo, hi = self.admission_range()
+    return int(min(max(limit, lo), hi))
+
+  def can_admit(self, *, inflight: int, queued: int, held: int, n: int = 1,
+                limit: int | None = None) -> bool:
+    bound = self.max_inflight if limit is None else self.clamp(limit)
     outstanding = inflight + queued + n
-    return outstanding + held <= self.max_inflight and outstanding <= self.queue_maxsize
+    return outstanding + held <= bound and outstanding <= self.queue_maxsize
 
   def barrier_allows(self, *, admitted: int, steps_done: int, sampler_version: int,
                      trainer_version: int) -> bool:

@@ -30,11 +30,18 @@ class RolloutQueue:
     self.dequeued_total = 0
     self.max_depth_seen = 0
     self._closed = False
+    self.limit: int | None = None  # a live admission limit (rl.control); None: the policy's
 
   def can_admit(self, n: int = 1) -> bool:
     with self._cv:
       return self.policy.can_admit(inflight=self.inflight, queued=len(self._q),
-                                   held=self.held, n=n)
+                                   held=self.held, n=n, limit=self.limit)
+
+  def set_limit(self, limit: int | None) -> None:
+    """Sets the live admission limit (the policy clamps it to its admission_range)."""
+    with self._cv:
+      self.limit = limit
+      self._cv.notify_all()
 
   def admitted(self, n: int = 1) -> None:
     with self._cv:

@@ -8,13 +8,15 @@
   queueing   its event queue, verifier server pool, decode segments
   contention how much sampler and trainer slow each other (fitted from timelines)
   profile    fit the models from a pilot workdir; steady-state metrics of a run
-  capacity   sweep sampler / trainer splits, reject, rank, sensitivity, validation
+  capacity   sweep sampler / trainer splits, reject, rank, sensitivity, validation; refit
+  live       inside a run (rl.control): next window's admission bound and decode slots,
+             the window-ahead check, restart advice; plan.py --from-run
   render     text tables and the PNG
 
 Nothing here imports the model, sampler or trainer at import time.
 """
 from rl_jax.planner.capacity import (Candidate, Layout, Plan, PlanError, layouts, load_profile,
-                                     overrides, plan, scenario, turn_model, validate)
+                                     overrides, plan, refit, scenario, turn_model, validate)
 from rl_jax.planner.memory import MemoryEstimate, estimate, kv_bytes_per_token
 from rl_jax.planner.models import (DEVICES, DeviceSpec, LengthModel, SamplerModel, TrainerModel,
                                    TurnModel, VerifierModel)

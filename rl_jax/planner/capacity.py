@@ -248,13 +248,19 @@ def pilot_layout(cfg) -> Layout:
 
 def load_profile(workdir: str, *, cfg=None, flag: str = "--profile",
                  device: DeviceSpec = DEVICES["h200"]):
-  """(Pilot, Profile) from a pilot workdir.
+  """(Pilot, Profile) from a pilot workdir: load_pilot, then refit."""
+  pilot = profile_lib.load_pilot(workdir, flag=flag, cfg=cfg)
+  return pilot, refit(pilot, device=device)
+
+
+def refit(pilot: profile_lib.Pilot, *, device: DeviceSpec = DEVICES["h200"]):
+  """The planner's models fitted from a pilot's rows and summary: the one fit that
+  plan.py --profile/--validate/--from-run and the live controller (rl.control) all use.
 
   When the pilot logged no sampler/generate_calls, the constant decode step time is
   calibrated: simulate the pilot's own configuration and rescale the step time by
   observed / simulated sampler busy seconds per optimizer step, until within 2%.
   """
-  pilot = profile_lib.load_pilot(workdir, flag=flag, cfg=cfg)
   profile = profile_lib.fit_profile(pilot)
   if profile.needs_calibration:
     model_cfg, params = model_shape(pilot.cfg)
@@ -262,7 +268,7 @@ def load_profile(workdir: str, *, cfg=None, flag: str = "--profile",
     for _ in range(6):
       sc = scenario(pilot.cfg, layout=pilot_layout(pilot.cfg), profile=profile,
                     model_cfg=model_cfg, params=params, device=device,
-                    num_steps=pilot.rows[-1]["step"])
+                    num_steps=pilot.rows[-1]["step"] - pilot.rows[0]["step"] + 1)
       pred = simulate(sc)
       ratio = target / max(profile_lib.sampler_busy_per_step(pred.rows), 1e-12)
       profile.sampler = dataclasses.replace(profile.sampler,
@@ -273,7 +279,7 @@ def load_profile(workdir: str, *, cfg=None, flag: str = "--profile",
     profile.notes.append(
         f"sampler: no sampler/generate_calls in metrics.jsonl; constant decode step "
         f"{profile.sampler.base_s:.3g}s calibrated to the pilot's sampler busy time")
-  return pilot, profile
+  return profile
 
 
 def check_layout(cfg, *, layout: Layout, model_cfg, params: int,

@@ -22,7 +22,7 @@ step's call while the host prepares the next step, so the host learns of a stop 
 one call late and a call may cover a slot whose sequence already ended (the device
 leaves it idle); a budget that runs out in the call in flight frees its slot and pages
 before the next call (_release_ending). slot_steps - tokens_generated counts the
-slot-steps spent on idle slots.
+slot-steps spent on idle slots. `slot_limit` caps the slots in use (live control).
 
 Memory: pages are taken as sequences grow, not reserved for the worst case, so long
 tails do not hold memory they never use. Admission is first-come first-served and waits
@@ -106,6 +106,7 @@ class Generator(turns_lib.TurnsMixin):
     self._groups: list[GroupState] = []  # unfinished groups, oldest first
     self._group_ids: set[int] = set()
     self._slots: list[SeqState | None] = [None] * engine.max_concurrent_decodes
+    self.slot_limit = engine.max_concurrent_decodes  # decode slots in use at most
     self._order = 0
     self._eval_ids = 0
     self._held: list[Rollout] = []  # other groups' rollouts finished inside generate()
@@ -150,11 +151,15 @@ class Generator(turns_lib.TurnsMixin):
     if self._draining():
       return False
     waiting = sum(len(g.waiting) for g in self._groups) + len(self._resuming)
-    if self._slots.count(None) <= waiting:
+    if self._free_slots() <= waiting:
       return False
     # What waiting resumes need, and a page for each sequence still waiting on its tool.
     return not self.num_parked or self.allocator.num_free > (
         sum(self._resume_pages(s) for s in self._resuming) + len(self._parked))
+
+  def _free_slots(self) -> int:
+    """Slots a new sequence may take: free ones, within slot_limit."""
+    return max(0, min(self._slots.count(None), self.slot_limit - self._num_decoding))
 
   def update_params(self, params: Any, version: int) -> None:
     """Publish new weights; safe from any thread. Swapped in by the next step()
@@ -378,7 +383,7 @@ class Generator(turns_lib.TurnsMixin):
 
   def _try_fill(self) -> None:
     eng, alloc = self.engine, self.allocator
-    free = [i for i, s in enumerate(self._slots) if s is None][::-1]
+    free = [i for i, s in enumerate(self._slots) if s is None][:self._free_slots()][::-1]
     # Pages the running sequences need for the next call; a sample is started only if
     # its own first call fits beside them. Longer-term growth is not reserved: when the
     # pool runs dry, _grow_pages preempts the youngest group.

@@ -1,0 +1,217 @@
+"""Planning inside a run (rl.control): the next window's admission bound and decode slots,
+the window-ahead check of the prediction, and advice for what only a restart can change.
+
+A window is the metrics rows of the last rl.control_every optimizer steps plus the row
+before them (`window_pilot`); `capacity.refit` fits the planner's models from it, the
+same fit as plan.py --profile / --validate. A prediction simulates the run's own
+configuration (capacity.scenario on its layout) from an empty pipeline for `warm-up +
+window` steps, warm-up = max_staleness + 2 (the steps a pipeline takes to fill), and
+reads the steady state of the window (`profile.steady_state` of its rows), which is what
+the next window of the warm run measures. The simulations are the controller's cost
+(pipeline time: control/seconds), so they are few: 5 for a decision; for the advice,
+the configuration and each alternative over half a window.
+
+  decide   admission bounds b in admission_range() = [lo, hi] (StalenessPolicy: never
+           above the staleness rule), up to 4 values evenly spaced, at every decode
+           slot; then the slot limit k in {S, S/2} (S = sampler.max_concurrent_decodes,
+           k >= group_size) at the chosen b. Each pick is the smallest value whose
+           predicted steps/hour is within `tolerance` of the best: the fewest groups in
+           flight (least staleness, fewest discards) that keeps the trainer as busy,
+           i.e. sampling rate lambda ~= training rate mu at the configured bound.
+  errors   (predicted - measured) / max(measured, floor) of steps/hour, queue depth and
+           staleness, floor 1 for the last two (means that can be 0), else 1e-9.
+  advise   the run's configuration against other sampler/trainer splits of the same
+           devices, weight_sync_every in {1, 2, 4} and group sizes G/2 and 2G at the same
+           rollouts per step (groups_per_step x G), all at the same max_staleness: the
+           best one when it predicts >= min_gain more optimizer steps per hour, as the
+           --config overrides to restart with; else None.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rl_jax.planner import capacity
+from rl_jax.planner import profile as profile_lib
+from rl_jax.planner.models import DEVICES, DeviceSpec
+from rl_jax.planner.simulate import simulate
+
+CHECKED = ("steps_per_hour", "queue_depth_mean", "staleness_mean")
+FILTER_COUNTS = ("groups_completed", "groups_filtered_zero_variance", "groups_uniform_capped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """Settings for the next window and what the planner predicts for it."""
+  admission_bound: int
+  decode_slots: int
+  predicted: dict  # profile.steady_state keys of the simulated window
+  simulations: int
+
+
+def window_pilot(cfg, rows: list[dict], counts: dict | None = None) -> profile_lib.Pilot:
+  """A Pilot of one window: rows[0] is the row before the window. `counts`: the
+  window's increase of groups_completed, groups_filtered_zero_variance and
+  groups_uniform_capped (the filter rate's inputs)."""
+  return profile_lib.Pilot(workdir="(this run's last window)", cfg=cfg, rows=list(rows),
+                           summary=dict(counts or {}))
+
+
+def _tensor(sub) -> int:
+  return int(sub.get("tensor", 1))
+
+
+def predict(cfg, profile, *, num_steps: int, layout=None, max_inflight_groups=None,
+            decode_slots: int | None = None, device: DeviceSpec = DEVICES["h200"]) -> dict:
+  """profile.steady_state of `num_steps` simulated steps after the warm-up ones."""
+  model_cfg, params = capacity.model_shape(cfg)
+  warmup = int(cfg.rl.max_staleness) + 2
+  sc = capacity.scenario(cfg, layout=layout or capacity.pilot_layout(cfg), profile=profile,
+                         model_cfg=model_cfg, params=params, device=device,
+                         num_steps=warmup + num_steps, max_inflight_groups=max_inflight_groups)
+  if decode_slots is not None:
+    sc = dataclasses.replace(sc, decode_slots=min(int(decode_slots), sc.decode_slots))
+  rows = simulate(sc).rows
+  return profile_lib.steady_state(rows[warmup - 1:], skip_frac=0.0)
+
+
+def _smallest_near_best(options: list[int], preds: list[dict], tolerance: float) -> int:
+  best = max(p["steps_per_hour"] for p in preds)
+  return min(o for o, p in zip(options, preds) if p["steps_per_hour"] >= (1 - tolerance) * best)
+
+
+def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
+           device: DeviceSpec = DEVICES["h200"]) -> Decision:
+  """The admission bound and decode slots for the next window (module docstring)."""
+  lo, hi = policy.admission_range()
+  bounds = sorted({policy.clamp(int(round(b))) for b in np.linspace(lo, hi, 4)})
+  slots_max = int(cfg.sampler.max_concurrent_decodes)
+  g = int(cfg.rl.group_size)
+  slot_options = sorted({slots_max} | ({slots_max // 2} if slots_max // 2 >= g else set()))
+  steps = window_steps
+  at_bound = [predict(cfg, profile, num_steps=steps, max_inflight_groups=b, device=device)
+              for b in bounds]
+  bound = _smallest_near_best(bounds, at_bound, tolerance)
+  preds = {slots_max: at_bound[bounds.index(bound)]}
+  for k in slot_options[:-1]:
+    preds[k] = predict(cfg, profile, num_steps=steps, max_inflight_groups=bound,
+                       decode_slots=k, device=device)
+  slots = _smallest_near_best(slot_options, [preds[k] for k in slot_options], tolerance)
+  return Decision(admission_bound=bound, decode_slots=slots, predicted=preds[slots],
+                  simulations=len(bounds) + len(slot_options) - 1)
+
+
+def errors(predicted: dict, measured: dict) -> dict[str, float]:
+  """Relative error of each CHECKED prediction against the next window's measurement."""
+  out = {}
+  for key in CHECKED:
+    floor = 1e-9 if key == "steps_per_hour" else 1.0
+    out[key] = (predicted[key] - measured[key]) / max(measured[key], floor)
+  return out
+
+
+def _alternatives(cfg) -> list[tuple[str, list[str], object]]:
+  """(label, overrides, config) of every restart-only change advise compares."""
+  from rl_jax import sharding
+  rl = cfg.rl
+  out = []
+  s_dev, t_dev, _ = sharding.mesh_devices(cfg.mesh)
+  here = capacity.pilot_layout(cfg)
+  devices = s_dev if cfg.mesh.colocated else s_dev + t_dev
+  for lay in capacity.layouts(devices=devices, sampler_tensor=_tensor(cfg.mesh.sampler),
+                              trainer_tensor=_tensor(cfg.mesh.trainer)):
+    if lay != here:
+      cand = capacity.Candidate(layout=lay, max_staleness=rl.max_staleness,
+                                max_inflight_groups=rl.max_inflight_groups, memory=None)
+      flags = capacity.overrides(cfg, cand)
+      out.append((f"split {lay.label}", flags, (lay, {})))
+  for every in (1, 2, 4):
+    if every != rl.weight_sync_every:
+      out.append((f"weight_sync_every {every}", [f"--config.rl.weight_sync_every={every}"],
+                  (None, {"weight_sync_every": every})))
+  batch = rl.groups_per_step * rl.group_size
+  for g in (rl.group_size // 2, rl.group_size * 2):
+    if g >= 2 and batch % g == 0 and g != rl.group_size:
+      out.append((f"group_size {g}", [f"--config.rl.group_size={g}",
+                                      f"--config.rl.groups_per_step={batch // g}"],
+                  (None, {"group_size": g, "groups_per_step": batch // g})))
+  return out
+
+
+def advise(cfg, profile, *, num_steps: int, min_gain: float = 0.15,
+           device: DeviceSpec = DEVICES["h200"]) -> dict | None:
+  """The best restart-only change predicted to give >= min_gain more optimizer steps per
+  hour at the same staleness bound: {"change", "overrides", "gain", "steps_per_hour",
+  "current_steps_per_hour"}; None when nothing does."""
+  from rl_jax.orchestration.policy import StalenessPolicy
+  current = predict(cfg, profile, num_steps=num_steps, device=device)["steps_per_hour"]
+  best = None
+  for label, flags, (layout, rl_changes) in _alternatives(cfg):
+    alt = cfg.copy_and_resolve_references()
+    for k, v in rl_changes.items():
+      alt.rl[k] = v
+    if StalenessPolicy.from_config(alt.rl).stall_reason():
+      continue
+    if layout is not None:
+      model_cfg, params = capacity.model_shape(cfg)
+      _, reason = capacity.check_layout(cfg, layout=layout, model_cfg=model_cfg,
+                                        params=params, memory_gib=device.memory_gib)
+      if reason:
+        continue
+    sph = predict(alt, profile, num_steps=num_steps, layout=layout,
+                  device=device)["steps_per_hour"]
+    if best is None or sph > best["steps_per_hour"]:
+      best = {"change": label, "overrides": flags, "steps_per_hour": sph}
+  if best is None or best["steps_per_hour"] < (1 + min_gain) * current:
+    return None
+  best.update(gain=best["steps_per_hour"] / current - 1, current_steps_per_hour=current)
+  return best
+
+
+def last_window(pilot: profile_lib.Pilot, steps: int) -> profile_lib.Pilot:
+  """The pilot cut to its last window of `steps` optimizer steps (with the row before
+  it) and the summary's busy timelines and filter counts (whole-run counts: a finished
+  run's summary keeps no per-window ones)."""
+  rows = pilot.rows
+  first = rows[-1]["step"] - steps
+  start = max([i for i, r in enumerate(rows) if r["step"] <= first], default=0)
+  keep = {k: pilot.summary[k] for k in ("timeline", *FILTER_COUNTS) if k in pilot.summary}
+  return profile_lib.Pilot(workdir=pilot.workdir, cfg=pilot.cfg, rows=rows[start:],
+                           summary=keep)
+
+
+def from_run(pilot: profile_lib.Pilot, *, steps: int, min_gain: float = 0.15,
+             device: DeviceSpec = DEVICES["h200"]):
+  """plan.py --from-run: (refitted Profile, table, advice) of a finished run's last
+  window; table rows as capacity.validate's (metric, predicted, observed, rel_err), the
+  prediction being what live control would predict for a next window."""
+  win = last_window(pilot, steps)
+  profile = capacity.refit(win, device=device)
+  predicted = predict(pilot.cfg, profile, num_steps=steps, device=device)
+  observed = profile_lib.steady_state(win.rows, skip_frac=0.0)
+  table = [{"metric": k, "predicted": predicted[k], "observed": observed[k],
+            "rel_err": (predicted[k] - observed[k]) / observed[k] if observed[k] else None}
+           for k in (*CHECKED, "sampler_busy_frac", "trainer_busy_frac", "discard_rate")]
+  advice = advise(pilot.cfg, profile, num_steps=max(steps // 2, 3), min_gain=min_gain,
+                  device=device)
+  return profile, table, advice
+
+
+def format_from_run(pilot: profile_lib.Pilot, *, steps: int | None = None) -> str:
+  """plan.py --from-run's text: the refit notes and table of the run's last window of
+  `steps` (default its rl.control_every) optimizer steps, then the advice line."""
+  from rl_jax.planner.render import format_validation
+  steps = steps or int(getattr(pilot.cfg.rl, "control_every", 20))
+  if steps < 3:
+    raise capacity.PlanError(f"--window must be >= 3 steps, got {steps}")
+  profile, table, advice = from_run(pilot, steps=steps)
+  lines = [f"refit from the last {steps} optimizer steps of {pilot.workdir}:"]
+  lines += [f"  {n}" for n in profile.notes] + [format_validation(table)]
+  if advice is None:
+    lines.append("advice: no split, weight-sync cadence or group size predicts >= 15% more "
+                 "optimizer steps per hour at this staleness bound")
+  else:
+    lines.append(f"advice: {advice['change']} predicts {100 * advice['gain']:+.0f}% optimizer "
+                 f"steps/hour; restart with: {' '.join(advice['overrides'])}")
+  return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Live capacity control (rl_jax/orchestration/control.py, rl_jax/planner/live.py):
+decisions within the config's limits and the staleness rule, the refit shared with
+plan.py, the window-ahead check, advice printed once per change, sync untouched."""
+import collections
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from rl_jax import config as config_lib
+from rl_jax import planner
+from rl_jax.orchestration import control
+from rl_jax.orchestration.policy import StalenessPolicy
+from rl_jax.orchestration.rollout_queue import RolloutQueue
+from rl_jax.planner import capacity, live, profile as profile_lib
+from rl_jax.planner.models import DEVICES, LengthModel, SamplerModel, TrainerModel
+from rl_jax.tasks.latency import Latency
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ("--config.rl.groups_per_step=8", "--config.rl.group_size=4",
+         "--config.rl.max_staleness=2", "--config.rl.max_inflight_groups=-1",
+         "--config.rl.weight_sync_every=1", "--config.rl.queue_maxsize=64",
+         "--config.sampler.max_concurrent_decodes=64", "--config.sampler.steps_per_call=1",
+         "--config.verifier.latency=none", "--config.rl.control_every=10")
+
+
+def _cfg(*overrides):
+  cfg, rest = config_lib.parse_args(["--config", os.path.join(ROOT, "configs/default.py"),
+                                     *SMALL, *overrides])
+  assert rest == []
+  return cfg
+
+
+def _profile(*, train_fixed_s, decode_step_s):
+  return planner.Profile(
+      sampler=SamplerModel(base_s=decode_step_s, per_seq_s=0.0, per_ctx_token_s=0.0),
+      trainer=TrainerModel(fixed_s=train_fixed_s, tokens_per_s_per_device=1e9),
+      lengths=LengthModel(kind="lognormal", max_tokens=8, median=4, sigma=0.3),
+      verifier_latency=Latency(kind="none"), weight_sync_s=0.001, prompt_tokens=6,
+      sampler_tensor=1, notes=[])
+
+
+def _rows(cfg, prof, steps):
+  """A run's metrics rows, simulated from known models (the loop's row names)."""
+  model_cfg, params = capacity.model_shape(cfg)
+  sc = capacity.scenario(cfg, layout=capacity.pilot_layout(cfg), profile=prof,
+                         model_cfg=model_cfg, params=params, device=DEVICES["h200"],
+                         num_steps=steps)
+  return planner.simulate(sc).rows
+
+
+def test_admission_range_clamp_and_live_limit_follow_the_staleness_rule():
+  pol = StalenessPolicy.make(mode="async", groups_per_step=8, max_staleness=2,
+                             max_inflight_groups=-1, queue_maxsize=64, weight_sync_every=2)
+  # hi = (2 + 1) * 8 = 24 (the staleness rule), lo = 8 * 2 = 16 (reaches a publication)
+  assert pol.admission_range() == (16, 24)
+  assert [pol.clamp(n) for n in (0, 16, 20, 24, 10**6)] == [16, 16, 20, 24, 24]
+  q = RolloutQueue(pol)
+  q.admitted(20)
+  assert q.can_admit()  # 21 <= 24
+  q.set_limit(20)
+  assert not q.can_admit()  # 21 > 20
+  q.set_limit(None)
+  assert q.can_admit()
+  assert pol.can_admit(inflight=19, queued=0, held=0, limit=20)
+  assert not pol.can_admit(inflight=20, queued=0, held=0, limit=20)
+  # A limit above the rule is clamped to it: never more than 24 groups ahead.
+  assert not pol.can_admit(inflight=24, queued=0, held=0, limit=1000)
+  sync = StalenessPolicy.make(mode="sync", groups_per_step=8, max_staleness=2,
+                              max_inflight_groups=-1, queue_maxsize=64, weight_sync_every=1)
+  assert sync.admission_range() == (8, 8)
+
+
+@pytest.mark.parametrize("train_fixed_s,decode_step_s,expect", [
+    (0.5, 1e-4, "lo"),   # trainer-bound: one batch ahead keeps it busy; fewest in flight
+    (1e-3, 2e-3, "hi"),  # sampler-bound: every group the rule allows
+])
+def test_decisions_stay_within_limits_and_aim_at_a_busy_trainer(train_fixed_s, decode_step_s,
+                                                                expect):
+  cfg = _cfg()
+  pol = StalenessPolicy.from_config(cfg.rl)
+  lo, hi = pol.admission_range()
+  assert (lo, hi) == (8, 24)
+  prof = _profile(train_fixed_s=train_fixed_s, decode_step_s=decode_step_s)
+  d = live.decide(cfg, prof, pol, window_steps=10)
+  assert lo <= d.admission_bound <= hi
+  assert cfg.rl.group_size <= d.decode_slots <= cfg.sampler.max_concurrent_decodes
+  # Hand check of the rule: steps/h of each bound at every slot, the smallest within 3%.
+  preds = {b: live.predict(cfg, prof, num_steps=10, max_inflight_groups=b)["steps_per_hour"]
+           for b in (8, 13, 19, 24)}  # 4 values evenly spaced over [8, 24]
+  best = max(preds.values())
+  assert d.admission_bound == min(b for b, v in preds.items() if v >= 0.97 * best)
+  if expect == "lo":
+    assert d.admission_bound == lo
+  else:
+    assert d.admission_bound > lo and preds[d.admission_bound] > 1.1 * preds[lo]
+
+
+def test_window_refit_equals_plan_py_and_the_check_uses_the_next_window(tmp_path):
+  cfg = _cfg("--config.rl.control_every=10")
+  rows = _rows(cfg, _profile(train_fixed_s=0.02, decode_step_s=5e-4), 30)
+  window = rows[9:20]  # the row before the window (step 10) and steps 11..20
+  counts = {"groups_completed": 88, "groups_filtered_zero_variance": 0,
+            "groups_uniform_capped": 0}
+  live_fit = capacity.refit(live.window_pilot(cfg, window, counts))
+  os.makedirs(tmp_path / "run")
+  with open(tmp_path / "run" / "metrics.jsonl", "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in window))
+  with open(tmp_path / "run" / "summary.json", "w") as f:
+    json.dump(counts, f)
+  with open(tmp_path / "run" / "config.json", "w") as f:
+    f.write(cfg.to_json())
+  _, offline = planner.load_profile(str(tmp_path / "run"), flag="--validate")
+  assert live_fit == offline
+  measured = profile_lib.steady_state(rows[19:30], skip_frac=0.0)
+  predicted = {"steps_per_hour": 1.1 * measured["steps_per_hour"],
+               "queue_depth_mean": measured["queue_depth_mean"] + 0.5,
+               "staleness_mean": 0.0}
+  err = live.errors(predicted, measured)
+  assert err["steps_per_hour"] == pytest.approx(0.1)
+  assert err["queue_depth_mean"] == pytest.approx(0.5 / max(measured["queue_depth_mean"], 1))
+  assert err["staleness_mean"] == pytest.approx(-measured["staleness_mean"] /
+                                                max(measured["staleness_mean"], 1))
+
+
+class _Console:
+  def __init__(self):
+    self.lines = []
+
+  def message(self, text):
+    self.lines.append(text)
+
+
+def _controller(cfg):
+  pol = StalenessPolicy.from_config(cfg.rl)
+  acc = types.SimpleNamespace(counts=collections.Counter(),
+                              sampler_busy=types.SimpleNamespace(intervals=[]),
+                              trainer_busy=types.SimpleNamespace(intervals=[]))
+  worker = types.SimpleNamespace(generator=types.SimpleNamespace(slot_limit=64))
+  return control.Controller(cfg, policy=pol, queue=RolloutQueue(pol), worker=worker,
+                            accounting=acc, console=_Console())
+
+
+def test_controller_applies_decisions_and_checks_them_a_window_ahead():
+  cfg = _cfg()
+  ctl = _controller(cfg)
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 30)
+  out = [ctl.after_row(r["step"], r) for r in rows]
+  # The first row is the row before the first window; the config's bound until that
+  # window ends; the row of step 11 carries the decision in force after it.
+  assert [o["control/admission_bound"] for o in out[:11]] == [24] * 10 + [8]
+  ends = [r["step"] for r, o in zip(rows, out) if "control/predicted_steps_per_hour" in o]
+  assert ends == [11, 21]
+  # Trainer-bound: one batch ahead is enough; the queue and generator got the decision.
+  assert ctl.queue.limit == ctl.bound == 8 and ctl.worker.generator.slot_limit == ctl.slots
+  assert "control/steps_per_hour_error" not in out[10]
+  assert all(f"control/{k}_error" in out[20]
+             for k in ("steps_per_hour", "queue_depth", "staleness"))
+  s = ctl.summary()
+  assert [d["step"] for d in s["control_decisions"]] == [11, 21]
+  assert set(s["control_error_mean"]) == set(live.CHECKED)
+  # A decision outside the limits is clamped: never above the staleness rule.
+  ctl._apply(live.Decision(admission_bound=10**6, decode_slots=10**6, predicted={},
+                           simulations=0))
+  assert (ctl.bound, ctl.slots) == (24, 64)
+  ctl._apply(live.Decision(admission_bound=0, decode_slots=1, predicted={}, simulations=0))
+  assert (ctl.bound, ctl.slots) == (8, cfg.rl.group_size)
+
+
+def test_advice_is_printed_once_per_change():
+  ctl = _controller(_cfg())
+  a = {"change": "weight_sync_every 2", "overrides": ["--config.rl.weight_sync_every=2"],
+       "gain": 0.2, "steps_per_hour": 120.0, "current_steps_per_hour": 100.0}
+  b = dict(a, change="group_size 8", overrides=["--config.rl.group_size=8",
+                                                 "--config.rl.groups_per_step=4"])
+  for step, advice in ((10, a), (20, a), (30, None), (40, b), (50, b), (60, a)):
+    ctl._advise(step, advice)
+  assert len(ctl.console.lines) == 2
+  assert ctl.console.lines[0].endswith("restart with: --config.rl.weight_sync_every=2")
+  assert "+20%" in ctl.console.lines[0]
+  assert [x["step"] for x in ctl.advice] == [10, 40]
+
+
+def test_advice_names_a_restart_change_worth_15_percent():
+  # Publishing costs as much as a train step: publishing every 2 steps is much faster.
+  cfg = _cfg()
+  prof = _profile(train_fixed_s=0.01, decode_step_s=1e-5)
+  prof.weight_sync_s = 0.05
+  advice = live.advise(cfg, prof, num_steps=10)
+  assert advice is not None and advice["gain"] >= 0.15
+  assert advice["steps_per_hour"] == pytest.approx(
+      (1 + advice["gain"]) * advice["current_steps_per_hour"])
+  assert any(f.startswith("--config.") for f in advice["overrides"])
+  assert live.advise(cfg, prof, num_steps=10, min_gain=100.0) is None
+
+
+def test_control_is_off_in_sync_mode_and_auto_means_async():
+  for mode, setting, on in (("async", "auto", True), ("async", "off", False),
+                            ("async", "admission", True), ("sync", "auto", False),
+                            ("sync", "admission", False)):
+    cfg = _cfg(f"--config.rl.mode={mode}", f"--config.rl.control={setting}")
+    assert control.active(cfg) is on, (mode, setting)
+  assert control.active(_cfg("--config.rl.control=admission"), processes=2) is False
+
+
+def test_plan_py_from_run_prints_the_refit_table_and_the_live_advice(tmp_path):
+  """A finished run whose publications cost as much as a train step: plan.py --from-run
+  refits its last window as the controller does and gives the controller's advice."""
+  cfg = _cfg("--config.rl.control_every=10")
+  prof = _profile(train_fixed_s=0.01, decode_step_s=1e-5)
+  prof.weight_sync_s = 0.05
+  rows = _rows(cfg, prof, 30)
+  run = tmp_path / "run"
+  os.makedirs(run)
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (run / "summary.json").write_text(json.dumps({"groups_completed": 240}))
+  (run / "config.json").write_text(cfg.to_json())
+  # The controller's advice at the end of the run's last window (steps 21..30).
+  ctl = _controller(cfg)
+  for r in rows[19:]:  # from step 20: the row before the window
+    ctl.after_row(r["step"], r)
+  assert [a["step"] for a in ctl.advice] == [30]
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan.py"),
+                         "--from-run", str(run)], capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert f"refit from the last 10 optimizer steps of {run}" in proc.stdout
+  assert "steps_per_hour" in proc.stdout and "trainer_busy_frac" in proc.stdout
+  assert proc.stdout.rstrip().endswith(
+      "restart with: " + " ".join(ctl.advice[-1]["overrides"]))
+
+
+def test_a_window_that_held_a_stall_keeps_the_settings_and_predicts_nothing():
+  cfg = _cfg()
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 21)
+  assert control.stalled(rows[:11]) == 0.0
+  late = [dict(r) for r in rows]
+  for r in late[15:]:  # step 16 took 100 s more (a compilation)
+    r["time_s"] += 100.0
+  step_s = [b["time_s"] - a["time_s"] for a, b in zip(late[10:20], late[11:21])]
+  assert control.stalled(late[10:21]) == pytest.approx(max(step_s)) and max(step_s) > 100
+  ctl = _controller(cfg)
+  out = [ctl.after_row(r["step"], r) for r in late]
+  assert [d["step"] for d in ctl.decisions] == [11, 21]
+  assert "skipped" not in ctl.decisions[0] and "a 10" in ctl.decisions[1]["skipped"]
+  # The stalled window is still checked against the prediction made for it...
+  assert out[20]["control/steps_per_hour_error"] > 1  # predicted far above measured
+  # ... but decides nothing: the first window's settings stay.
+  assert out[20]["control/admission_bound"] == ctl.decisions[0]["admission_bound"]
+  assert "control/predicted_steps_per_hour" not in out[20] and ctl._predicted is None
+  assert ctl.console.lines[-1].endswith("no prediction (noted once per run)")
