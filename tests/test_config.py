@@ -166,6 +166,11 @@ def test_bad_file_and_variant(tmp_path):
     ("rl.max_oversample", 0, ["rl.max_oversample", ">= 1"]),
     ("rl.overlong", "clip", ["rl.overlong", "'none', 'mask', 'penalty'"]),
     ("rl.control", "on", ["rl.control", "'auto', 'off', 'admission'"]),
+    ("model.lora.rank", -1, ["model.lora.rank", ">= 0"]),
+    ("model.lora.alpha", 0.0, ["model.lora.alpha", "> 0"]),
+    ("model.lora.dropout", 1.0, ["model.lora.dropout", "[0, 1)"]),
+    ("model.lora.targets", "q,mlp", ["model.lora.targets", "q,k,v,o,gate,up,down", "'q,mlp'"]),
+    ("model.lora.targets", "q,q", ["model.lora.targets", "distinct"]),
     ("rl.control_every", 2, ["rl.control_every", ">= 3", "3 logged steps"]),
     ("rl.overlong_buffer", 0, ["rl.overlong_buffer", "[1, sampler.max_new_tokens"]),
 ])
