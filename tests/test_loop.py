@@ -109,7 +109,8 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
 
 def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
-                 "--config.rl.inflight_weight_updates=true", "--config.rl.control_every=3")
+                 "--config.rl.inflight_weight_updates=true", "--config.rl.control=admission",
+                 "--config.rl.control_every=3")
   kv_bytes = []
   pipe, summary, rollouts = run_pipeline(
       cfg, tmp_path, on_evaluate=lambda p: kv_bytes.append(kv_bytes_per_device(p)))
@@ -119,7 +120,7 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path):
   assert len(kv_bytes) == 3 and 0 < max(kv_bytes) <= cfg.sampler.kv_cache_bytes, kv_bytes
   # admission control: in-flight + queued + being trained never exceeds (S + 1) * B
   assert pipe.queue.policy.max_inflight == 2 * cfg.rl.groups_per_step
-  # Live control (rl.control=auto in async) decided after step 4 (a window of 3 steps
+  # Live control (rl.control=admission) decided after step 4 (a window of 3 steps
   # after the first), within the staleness rule's range; its settings are on every row.
   lo, hi = pipe.policy.admission_range()
   decisions = summary["control_decisions"]
