@@ -35,7 +35,7 @@ def get_config(arg=None):
   # Low-rank adapters (rl_jax/model/lora.py): rank 0 = full fine-tuning. With rank > 0
   # the base weights are frozen (stored in model.param_dtype) and only the adapters
   # train (float32 masters and Adam moments); weight sync sends only the adapters and
-  # the sampler merges W = W0 + (alpha / rank) B A on its own devices.
+  # the sampler merges W = W0 + (alpha / rank) A B on its own devices.
   c.model.lora = ml_collections.ConfigDict()
   c.model.lora.rank = 0
   c.model.lora.alpha = 16.0
