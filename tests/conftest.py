@@ -2,8 +2,9 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit it
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared with the subprocesses tests
 # start: most tests build the same tiny programs, and compiling them is most of the

@@ -128,7 +128,7 @@ def test_suite_runs_without_grain_ml_collections_tensorflow_jetstream(tmp_path):
   out = tmp_path / "bench.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-      "--xla_force_host_platform_device_count=8", "")
+      "--xla_force_host_platform_device_count=8", "").strip()
   proc = subprocess.run(
       [sys.executable, "-c", BLOCKER, "suite", "--preset", "tiny_char", "--small",
        "--skip", _skip_all_but("sync", "e2e"), "--out", str(out)],
