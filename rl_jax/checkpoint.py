@@ -263,6 +263,12 @@ class Checkpointer:
     handlers.update(loop=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler())
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=handlers)
+    # orbax removes an earlier run's unfinished writes (*.orbax-checkpoint-tmp-*) in a
+    # background thread and only waits for it before its own saves; a write begun first
+    # (the LoRA base's, made beside the steps) could be deleted under it. Wait here.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
     _quiet_failed_saves()
     # Commit tracking (module docstring): the newest step known complete on disk, the step
     # whose background write may still be running, and steps a restore found unusable.

@@ -273,3 +273,28 @@ def test_last_committed_step_counts_only_finished_writes(tmp_path, saved_run, mo
   checkpointer.wait()
   assert checkpointer.last_committed_step() == 3
   checkpointer.close()
+
+
+def test_an_earlier_runs_unfinished_writes_are_gone_before_the_base_is_written(
+    tmp_path, monkeypatch):
+  # orbax removes *.orbax-checkpoint-tmp-* in a background thread; made slow here (as on a
+  # loaded machine), it would remove the LoRA base's write, begun beside the steps, under
+  # it. The Checkpointer waits for it, so the leftover is gone once it exists.
+  from orbax.checkpoint import checkpoint_manager as cm
+  real = cm.temporary_paths.cleanup_temporary_paths
+
+  async def slow_cleanup(*args, **kw):
+    import asyncio
+    await asyncio.sleep(1.5)
+    return await real(*args, **kw)
+
+  monkeypatch.setattr(cm.temporary_paths, "cleanup_temporary_paths", slow_cleanup)
+  workdir = str(tmp_path)
+  leftover = os.path.join(ck.directory(workdir), "3.orbax-checkpoint-tmp-1234", "params")
+  os.makedirs(leftover)
+  checkpointer = ck.Checkpointer(workdir, _run_cfg().checkpoint)
+  assert not os.path.exists(os.path.dirname(leftover))
+  base = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float16)}
+  checkpointer.save_base(base)
+  _assert_same(checkpointer.restore_base(), base)
+  checkpointer.close()
