@@ -1,5 +1,6 @@
-"""launch/compare.py --seeds: each mode over N seeds, one run after another, median and
-range in the headline, every seed's curve in the plot (train.py stubbed: no runs)."""
+"""launch/compare.py (rl_jax.compare) --seeds: each mode over N seeds, one run after
+another, median and range in the headline, every seed's curve in the plot (train.py
+stubbed: no runs); --ab and its errors."""
 import importlib.util
 import json
 import os
@@ -167,7 +168,7 @@ def test_ab_and_modes_errors_are_one_line(tmp_path, capsys, flags, message):
 
 
 def test_ab_headline_of_live_control_gives_the_pipeline_figures():
-  compare = _load_compare()
+  from rl_jax import compare
 
   def summary(wall, disc, busy, control):
     s = {"heldout_curve": [[0.0, 0, 0.2], [wall / 2, 5, 0.5], [wall, 10, 0.6]],
@@ -178,10 +179,23 @@ def test_ab_headline_of_live_control_gives_the_pipeline_figures():
 
   loaded = {"async rl.control=off": [{"summary": summary(20.0, 10, 0.4, False)}],
             "async rl.control=admission": [{"summary": summary(10.0, 0, 0.8, True)}]}
-  line = compare._ab_headline(loaded, ["async"])
+  line = compare.ab_headline(loaded, ["async"])
   # off: 10 steps / 20 s = 1800 steps/h, 10 / (10 + 40) discarded, staleness 20 / 40
   assert ("rl.control=off: sampler busy 0.9 [0.9, 0.9], steps per hour 1.8e+03 [1.8e+03, 1.8e+03], "
           "trainer busy frac 0.4 [0.4, 0.4], discard rate 0.2 [0.2, 0.2], staleness 0.5 "
           "[0.5, 0.5]; rl.control=admission: sampler busy 0.9 [0.9, 0.9], steps per hour "
           "3.6e+03 [3.6e+03, 3.6e+03], trainer busy frac 0.8 [0.8, 0.8], discard rate 0 [0, 0], "
           "staleness 0.5 [0.5, 0.5]") in line
+
+
+def test_ab_values_that_are_paths_stay_inside_the_workdir(tmp_path):
+  from rl_jax import compare
+  arms = compare.arms(os.path.join(ROOT, "configs/default.py"), str(tmp_path), seeds=1,
+                      modes="async", ab="model.path=/ckpt/a,../b", overrides=[])
+  dirs = [runs[0][0] for runs in arms.values()]
+  assert dirs == [str(tmp_path / "_ckpt_a" / "async"), str(tmp_path / "_b" / "async")]
+  assert [runs[0][1][-1] for runs in arms.values()] == ["--config.model.path=/ckpt/a",
+                                                        "--config.model.path=../b"]
+  with pytest.raises(report.ReportError, match="would share the run directory '_ckpt_a'"):
+    compare.arms(os.path.join(ROOT, "configs/default.py"), str(tmp_path), seeds=1,
+                 modes="async", ab="model.path=/ckpt/a,_ckpt/a", overrides=[])

@@ -13,6 +13,7 @@ import pytest
 from rl_jax import config as config_lib
 from rl_jax import planner
 from rl_jax.orchestration import control
+from rl_jax.orchestration.accounting import BusyTimer
 from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.orchestration.rollout_queue import RolloutQueue
 from rl_jax.planner import capacity, live, profile as profile_lib
@@ -134,12 +135,19 @@ class _Console:
     self.lines.append(text)
 
 
-def _controller(cfg):
+class _Generator:
+  def __init__(self):
+    self.slot_limit = 64
+
+  def set_slot_limit(self, slots):
+    self.slot_limit = slots
+
+
+def _controller(cfg, counts=None):
   pol = StalenessPolicy.from_config(cfg.rl)
-  acc = types.SimpleNamespace(counts=collections.Counter(),
-                              sampler_busy=types.SimpleNamespace(intervals=[]),
-                              trainer_busy=types.SimpleNamespace(intervals=[]))
-  worker = types.SimpleNamespace(generator=types.SimpleNamespace(slot_limit=64))
+  acc = types.SimpleNamespace(counts=collections.Counter(counts or {}),
+                              sampler_busy=BusyTimer(), trainer_busy=BusyTimer())
+  worker = types.SimpleNamespace(generator=_Generator())
   return control.Controller(cfg, policy=pol, queue=RolloutQueue(pol), worker=worker,
                             accounting=acc, console=_Console())
 
@@ -197,6 +205,23 @@ def test_advice_names_a_restart_change_worth_15_percent():
   assert live.advise(cfg, prof, num_steps=10, min_gain=100.0) is None
 
 
+def test_advice_checks_other_splits_against_the_devices_memory(monkeypatch):
+  seen = []
+  real = capacity.check_layout
+  monkeypatch.setattr(capacity, "check_layout",
+                      lambda *a, **kw: seen.append(kw["memory_gib"]) or real(*a, **kw))
+  cfg = _cfg()
+  prof = _profile(train_fixed_s=0.01, decode_step_s=1e-5)
+  live.advise(cfg, prof, num_steps=10)
+  assert seen and set(seen) == {DEVICES["h200"].memory_gib}
+  seen.clear()
+  # Devices of 1 KiB: no other split fits, so no advice moves the mesh.
+  advice = live.advise(cfg, prof, num_steps=10, min_gain=0.0, memory_gib=2.0**-20)
+  assert seen and set(seen) == {2.0**-20}
+  assert advice is None or not any("mesh" in f for f in advice["overrides"])
+  assert control.device_memory_gib() is None  # CPU reports no memory limit
+
+
 def test_control_is_off_in_sync_mode_and_auto_means_async():
   for mode, setting, on in (("async", "auto", True), ("async", "off", False),
                             ("async", "admission", True), ("sync", "auto", False),
@@ -204,6 +229,58 @@ def test_control_is_off_in_sync_mode_and_auto_means_async():
     cfg = _cfg(f"--config.rl.mode={mode}", f"--config.rl.control={setting}")
     assert control.active(cfg) is on, (mode, setting)
   assert control.active(_cfg("--config.rl.control=admission"), processes=2) is False
+  # Asked for explicitly where it cannot act: one note says why; auto and off say nothing.
+  assert "sync mode admits one batch" in control.inactive_note(
+      _cfg("--config.rl.mode=sync", "--config.rl.control=admission"))
+  assert "2 processes" in control.inactive_note(_cfg("--config.rl.control=admission"), 2)
+  assert control.inactive_note(_cfg("--config.rl.control=admission")) == ""
+  assert control.inactive_note(_cfg("--config.rl.mode=sync", "--config.rl.control=auto")) == ""
+
+
+def test_busy_timer_keeps_the_latest_intervals():
+  t = BusyTimer()
+  n = BusyTimer.KEEP + 7
+  for i in range(n):
+    t.add(float(i), i + 0.5)
+  assert t.busy_s == pytest.approx(0.5 * n)
+  assert t.recent(3) == [(n - 3.0, n - 2.5), (n - 2.0, n - 1.5), (n - 1.0, n - 0.5)]
+  assert len(t.recent(10**6)) == BusyTimer.KEEP and t.recent(10**6)[0] == (7.0, 7.5)
+  assert t.recent(10, since=n - 1.6) == [(n - 2.0, n - 1.5), (n - 1.0, n - 0.5)]
+
+
+def test_an_error_inside_a_window_keeps_the_settings_and_the_run(monkeypatch):
+  cfg = _cfg()
+  ctl = _controller(cfg)
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 12)
+
+  def broken(pilot):
+    raise KeyError("sampler/decode_s")
+
+  monkeypatch.setattr(capacity, "refit", broken)
+  out = [ctl.after_row(r["step"], r) for r in rows]
+  assert out[-1]["control/admission_bound"] == 24 and ctl.worker.generator.slot_limit == 64
+  assert "controller error (KeyError" in ctl.decisions[-1]["skipped"]
+  assert ctl.console.lines[-1].endswith("(noted once per run)")
+
+
+def test_the_first_window_counts_only_its_own_filtered_groups(monkeypatch):
+  # A resumed run's accounting starts from its checkpoint's counters: those are not the
+  # first window's.
+  restored = {k: 1000 for k in live.FILTER_COUNTS}
+  cfg = _cfg()
+  ctl = _controller(cfg, counts=restored)
+  seen = []
+  real = live.window_pilot
+  monkeypatch.setattr(live, "window_pilot",
+                      lambda c, rows, counts: seen.append(dict(counts)) or real(c, rows, counts))
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 12)
+  for i, r in enumerate(rows):
+    if i:
+      ctl.acc.counts[live.FILTER_COUNTS[0]] += 2
+    ctl.after_row(r["step"], r)
+  assert len(seen) == 1
+  assert seen[0][live.FILTER_COUNTS[0]] == 2 * 10  # rows 1..10: the window ends at row 10
+  assert all(seen[0][k] == 0 for k in live.FILTER_COUNTS[1:])
 
 
 def test_plan_py_from_run_prints_the_refit_table_and_the_live_advice(tmp_path):

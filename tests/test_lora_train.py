@@ -234,3 +234,30 @@ def test_restore_lora_reads_a_model_path_base_and_refuses_a_changed_one(tmp_path
   with pytest.raises(ck.RestoreError) as e:
     reader.restore_lora()
   assert str(e.value).count(f"model.path {hf!r}") == 2 and "\n" not in str(e.value)
+
+
+def test_a_lora_base_without_warm_up_is_read_in_param_dtype(tmp_path):
+  """model.path's weights are read straight into model.param_dtype when they only become
+  a frozen LoRA base (no float32 copy), and that base equals the float32 read cast down
+  (the fingerprint a checkpoint records does not depend on the route)."""
+  from rl_jax import checkpoint as ck
+  from rl_jax import config as config_lib
+  from rl_jax.model import hf_io
+  from rl_jax.orchestration import loop
+  hf = str(tmp_path / "hf")
+  base = jax.tree.map(np.asarray, model.init_params(_model_cfg(), jax.random.key(5)))
+  model.save_pretrained(hf, _model_cfg(), base)
+  cfg = config_lib.base_config()
+  cfg.model.path, cfg.model.param_dtype = hf, "bfloat16"
+  cfg.warmstart.steps = 0
+  assert loop.initial_weights_dtype(cfg) == "float32"  # full fine-tuning: master params
+  cfg.model.lora.rank = RANK
+  assert loop.initial_weights_dtype(cfg) == "bfloat16"
+  cfg.warmstart.steps = 5  # the warm-up trains the full model first
+  assert loop.initial_weights_dtype(cfg) == "float32"
+  _, direct = hf_io.from_run_config(cfg.model, weights=True, weights_dtype="bfloat16")
+  _, f32 = hf_io.from_run_config(cfg.model, weights=True)
+  cast = jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16)), f32)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(direct))
+  jax.tree.map(np.testing.assert_array_equal, direct, cast)
+  assert ck.fingerprint(direct) == ck.fingerprint(cast)

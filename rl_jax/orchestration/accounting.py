@@ -61,16 +61,26 @@ class Clock:
 
 
 class BusyTimer:
-  """Accumulates busy seconds of one role; the fraction is busy / pipeline wall time."""
+  """Accumulates busy seconds of one role (the fraction is busy / pipeline wall time) and
+  its latest KEEP busy intervals; written by the role's thread, read by others."""
+
+  KEEP = 20000
 
   def __init__(self):
     self.busy_s = 0.0
-    self.intervals: list[tuple[float, float]] = []
+    self._intervals: collections.deque = collections.deque(maxlen=self.KEEP)
+    self._lock = threading.Lock()
 
   def add(self, start: float, end: float):
-    self.busy_s += end - start
-    if len(self.intervals) < 20000:
-      self.intervals.append((start, end))
+    with self._lock:
+      self.busy_s += end - start
+      self._intervals.append((start, end))
+
+  def recent(self, n: int, since: float = float("-inf")) -> list[tuple[float, float]]:
+    """The last `n` intervals (start, end) that end at or after `since`, oldest first."""
+    with self._lock:
+      out = list(self._intervals)[-n:]
+    return [iv for iv in out if iv[1] >= since]
 
 
 class Reservoir:
@@ -431,8 +441,8 @@ class RunAccounting:
         "device_hours": device_hours,
         "reward_gain_per_device_hour": _gain_per_hour(heldout, device_hours),
         "devices": self.devices[2],
-        "timeline": {"sampler": self.sampler_busy.intervals[-5000:],
-                     "trainer": self.trainer_busy.intervals[-5000:]},
+        "timeline": {"sampler": self.sampler_busy.recent(5000),
+                     "trainer": self.trainer_busy.recent(5000)},
         "staleness_definition": metrics_lib.DESCRIPTIONS["staleness"],
         "completion_lengths": self.all_lengths.values,
         "verifier_service_s": self.all_service.values,

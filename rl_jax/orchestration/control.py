@@ -12,7 +12,8 @@ step's metrics row, `Controller.after_row`:
   4. decides the next window's admission bound and decode slots (planner.live.decide)
      and applies them: RolloutQueue.set_limit (StalenessPolicy clamps it into its
      admission_range, never above the staleness rule) and Generator.slot_limit;
-  5. advises what only a restart can change (planner.live.advise): each distinct advice
+  5. advises what only a restart can change (planner.live.advise; another split must fit
+     the memory the run's devices report, device_memory_gib): each distinct advice
      is printed once, as --config overrides, and kept for summary.json (control_advice).
 The controller's own seconds are pipeline time (the trainer waits for it): control/seconds.
 
@@ -20,13 +21,15 @@ Active when rl.control is "admission", or "auto" in async mode, with one process
 mode admits one batch per step at its barrier, so the controller never acts there and a
 sync run stays reproducible bit for bit; a multi-process run keeps its settings (the
 followers replay the leader's admissions, not its slot limit).
-A window whose refit fails (e.g. no trainer time in it), or that held a stall (a step
+A window whose refit fails (e.g. no trainer time in it; any other error in the refit,
+the decision or the advice is logged with its traceback), or that held a stall (a step
 taking over STALL x the window's median step time: an XLA compilation of a new shape,
 minutes on a loaded CPU), keeps the settings and makes no prediction; noted once.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import numpy as np
@@ -34,12 +37,30 @@ import numpy as np
 from rl_jax.errors import UserError
 
 
-
 def active(cfg, processes: int = 1) -> bool:
   """Whether rl.control runs the controller in this run (module docstring)."""
   rl = cfg.rl
   wanted = rl.control == "admission" or (rl.control == "auto" and rl.mode == "async")
   return wanted and rl.mode == "async" and processes == 1
+
+
+def inactive_note(cfg, processes: int = 1) -> str:
+  """Why rl.control=admission, asked for explicitly, does not act in this run ("" when
+  it does, or when it was not asked for)."""
+  if cfg.rl.control != "admission" or active(cfg, processes):
+    return ""
+  why = ("sync mode admits one batch per step at its barrier" if cfg.rl.mode == "sync" else
+         f"a run of {processes} processes keeps its settings (followers replay the leader)")
+  return f"note: rl.control=admission does nothing here: {why}"
+
+
+def device_memory_gib() -> float | None:
+  """The memory of this run's first device as its runtime reports it (GPU, TPU); None
+  where it reports none (CPU): the planner's device spec is used then."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return limit / 2**30 if limit else None
 
 
 STALL = 10.0
@@ -65,6 +86,7 @@ class Controller:
     self.every = int(cfg.rl.control_every)
     self.bound = policy.max_inflight
     self.slots = int(cfg.sampler.max_concurrent_decodes)
+    self.memory_gib = device_memory_gib()  # restart advice must fit the run's devices
     self._rows: list[dict] = []  # the row before the window, then the window's rows
     self._start: int | None = None  # the step the window starts after
     self._counts: dict[str, int] = collections.Counter()
@@ -79,7 +101,10 @@ class Controller:
     window, after deciding the next one."""
     self._rows.append(row)
     if self._start is None:  # the run's first row is the row before the first window
+      from rl_jax.planner import live
       self._start = step
+      # Counters restored by a resume are not the first window's.
+      self._counts = {k: self.acc.counts[k] for k in live.FILTER_COUNTS}
     out = {}
     # A refit needs 3 rows after the one before the window (fit_sampler_direct).
     if step - self._start >= self.every and len(self._rows) >= 4:
@@ -97,9 +122,8 @@ class Controller:
     counts = {k: self.acc.counts[k] - self._counts[k] for k in live.FILTER_COUNTS}
     self._counts = {k: self.acc.counts[k] for k in live.FILTER_COUNTS}
     start = rows[0]["time_s"]
-    counts["timeline"] = {
-        "sampler": [iv for iv in self.acc.sampler_busy.intervals[-5000:] if iv[1] >= start],
-        "trainer": [iv for iv in self.acc.trainer_busy.intervals[-5000:] if iv[1] >= start]}
+    counts["timeline"] = {"sampler": self.acc.sampler_busy.recent(5000, since=start),
+                          "trainer": self.acc.trainer_busy.recent(5000, since=start)}
     out, entry = {}, {"step": step}
     measured = profile_lib.steady_state(rows, skip_frac=0.0)
     if self._predicted is not None:
@@ -115,9 +139,13 @@ class Controller:
       try:
         profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
         decision = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
-        advice = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3))
+        advice = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3),
+                             memory_gib=self.memory_gib)
       except UserError as e:
         reason = f"no refit: {e}"
+      except Exception as e:  # noqa: BLE001  (the controller only tunes: the run goes on)
+        reason = f"a controller error ({type(e).__name__}: {e})"
+        logging.exception("control: the window ending at step %d failed", step)
     if reason:
       self._note(f"control: the window ending at step {step} held {reason}; settings kept, "
                  f"no prediction")
@@ -144,7 +172,7 @@ class Controller:
     self.slots = int(min(max(decision.decode_slots, self.cfg.rl.group_size),
                          self.cfg.sampler.max_concurrent_decodes))
     self.queue.set_limit(self.bound)
-    self.worker.generator.slot_limit = self.slots
+    self.worker.generator.set_slot_limit(self.slots)
 
   def _advise(self, step: int, advice: dict | None) -> None:
     key = None if advice is None else tuple(advice["overrides"])

@@ -67,6 +67,14 @@ from rl_jax.types import Group
 __all__ = ["Pipeline", "Preempted", "RunError", "run"]
 
 
+def initial_weights_dtype(cfg) -> str:
+  """The dtype model.path's weights are read in: model.param_dtype for a LoRA base that
+  no warm-up trains (it is only ever frozen in that dtype: no float32 copy, 4 bytes per
+  weight, on the way), else float32 (the trainer's master params)."""
+  frozen = cfg.model.lora.rank > 0 and int(cfg.warmstart.steps) <= 0
+  return cfg.model.param_dtype if frozen else "float32"
+
+
 class Pipeline:
   """Builds every part from a validated config and runs the chosen mode."""
 
@@ -91,6 +99,8 @@ class Pipeline:
     self.control = control.Controller(
         cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
         console=self.console) if control.active(cfg, jax.process_count()) else None
+    if control.inactive_note(cfg, jax.process_count()):
+      self.console.message(control.inactive_note(cfg, jax.process_count()))
     self.version = 0  # trainer-owned policy version
     self.heldout_initial: float | None = None
     self.curve: list | None = None  # the held-out curve so far; set once RL starts
@@ -117,7 +127,8 @@ class Pipeline:
     from rl_jax.orchestration import multihost, runtime
     from rl_jax.tasks import make_task
     cfg = self.cfg
-    self.model_cfg, init_params = model_lib.from_run_config(cfg.model, weights=True)
+    self.model_cfg, init_params = model_lib.from_run_config(
+        cfg.model, weights=True, weights_dtype=initial_weights_dtype(cfg))
     note = runtime.cpu_size_note(cfg, self.model_cfg, jax.default_backend())
     if note:
       self.console.message(note)

@@ -140,10 +140,12 @@ def _alternatives(cfg) -> list[tuple[str, list[str], object]]:
 
 
 def advise(cfg, profile, *, num_steps: int, min_gain: float = 0.15,
-           device: DeviceSpec = DEVICES["h200"]) -> dict | None:
+           device: DeviceSpec = DEVICES["h200"],
+           memory_gib: float | None = None) -> dict | None:
   """The best restart-only change predicted to give >= min_gain more optimizer steps per
   hour at the same staleness bound: {"change", "overrides", "gain", "steps_per_hour",
-  "current_steps_per_hour"}; None when nothing does."""
+  "current_steps_per_hour"}; None when nothing does. Another split must fit memory_gib
+  per device (default: the device spec's)."""
   from rl_jax.orchestration.policy import StalenessPolicy
   current = predict(cfg, profile, num_steps=num_steps, device=device)["steps_per_hour"]
   best = None
@@ -156,7 +158,8 @@ def advise(cfg, profile, *, num_steps: int, min_gain: float = 0.15,
     if layout is not None:
       model_cfg, params = capacity.model_shape(cfg)
       _, reason = capacity.check_layout(cfg, layout=layout, model_cfg=model_cfg,
-                                        params=params, memory_gib=device.memory_gib)
+                                        params=params,
+                                        memory_gib=memory_gib or device.memory_gib)
       if reason:
         continue
     sph = predict(alt, profile, num_steps=num_steps, layout=layout,

@@ -24,13 +24,14 @@ leaves it idle); a budget that runs out in the call in flight frees its slot and
 before the next call (_release_ending). slot_steps - tokens_generated counts the
 slot-steps spent on idle slots. `slot_limit` caps the slots in use (live control).
 
-Memory: pages are taken as sequences grow, not reserved for the worst case, so long
-tails do not hold memory they never use. Admission is first-come first-served and waits
-(the group stays pending) while free pages are short. If a running sequence cannot
-grow, the youngest group holding pages is preempted: its running samples are dropped
-and re-run from their prompt later (same seed, so the same tokens under the same
-weights); rollouts it already emitted stay emitted. `add_group` rejects any group that
-could not run alone in the whole pool, so the oldest group always makes progress.
+Memory (paging.py): pages are taken as sequences grow, not reserved for the worst
+case, so long tails do not hold memory they never use. Admission is first-come
+first-served and waits (the group stays pending) while free pages are short. If a
+running sequence cannot grow, the youngest group holding pages is preempted: its
+running samples are dropped and re-run from their prompt later (same seed, so the same
+tokens under the same weights); rollouts it already emitted stay emitted. `add_group`
+rejects any group that could not run alone in the whole pool, so the oldest group
+always makes progress.
 
 Rollouts: `completion_tokens` include the stop token when finish_reason is "stop", with
 its log-prob and version, so the trainer learns to stop. Every group yields exactly
@@ -43,8 +44,8 @@ and `end_episode(...)` finishes it. Contract notes: `Turn` lives in turns.py (im
 here); `num_parked` counts resuming sequences (observation given, no slot yet) too;
 rollouts of turn_end groups always carry model_mask (all True when no observation).
 
-Weight updates: `update_params(params, version)` is the one method safe to call from
-another thread; it stores the weights in a pending slot that the sampler thread swaps
+Weight updates: `update_params(params, version)` (and `set_slot_limit`) are the methods
+safe to call from another thread; it stores the weights in a pending slot that the sampler thread swaps
 in at the top of its next `step()` (the latest call wins). With inflight weight updates
 on, running sequences continue on the new weights with their KV kept, and tokens from
 then on carry the new version (the call already on the device keeps the old weights,
@@ -64,6 +65,7 @@ import numpy as np
 
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
+from rl_jax.sampler import paging
 from rl_jax.sampler import turns as turns_lib
 from rl_jax.sampler import updates
 from rl_jax.sampler.sequences import GroupState, InflightCall, SeqState
@@ -79,7 +81,7 @@ def _move_pools(src, dst):
   return src._replace(k_pages=None, v_pages=None), dst._replace(**pools)
 
 
-class Generator(turns_lib.TurnsMixin):
+class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
   """Turns groups (prompt, G, seed) into Rollouts with continuous batching."""
 
   def __init__(self, engine: engine_lib.Engine, params: Any, *, version: int = 0,
@@ -168,6 +170,12 @@ class Generator(turns_lib.TurnsMixin):
       params = self.engine.load_params(params)
     with self._lock:
       self._pending_params = (params, int(version))
+
+  def set_slot_limit(self, slots: int) -> None:
+    """Cap the decode slots in use (live control); safe from any thread, it takes effect
+    at the next slot fill (running sequences keep their slots)."""
+    with self._lock:
+      self.slot_limit = int(slots)
 
   def add_group(self, group_id: int, prompt_tokens, num_samples: int, seed: int, *,
                 sampling: engine_lib.Sampling | None = None, max_new_tokens: int | None = None,
@@ -446,93 +454,6 @@ class Generator(turns_lib.TurnsMixin):
       self._pending.insert(entry)
     for g in exhausted:
       self._release_prefix(g)
-
-  def _call_positions(self, seq: SeqState) -> int:
-    """Positions `seq`'s cache may hold after the next generate call (and the call in
-    flight, whose tokens the host has not seen yet)."""
-    calls = 1 + (self._inflight is not None and seq in self._inflight.seqs)
-    return min(seq.length + calls * self.engine.steps_per_call, seq.cache_limit)
-
-  def _live_pages(self):
-    """(slots, columns) of every page a busy sequence may read in the next call, for
-    "ragged" attention (None otherwise)."""
-    if self.engine.attention != "ragged":
-      return None
-    busy = [s for s in self._slots if s is not None]
-    counts = [pt.pages_for(self._call_positions(s), self.engine.page_size) for s in busy]
-    slots = np.repeat([s.slot for s in busy], counts)
-    cols = np.concatenate([np.arange(n) for n in counts])
-    return slots, cols
-
-  def _pages_short(self, seq: SeqState) -> int:
-    """Pages `seq` lacks for the tokens its next generate call may cache."""
-    need = pt.pages_for(self._call_positions(seq), self.engine.page_size)
-    return max(need - len(seq.pages), 0)
-
-  def _prefill(self, g: GroupState, batch: list) -> None:
-    """Take the group's prompt pages; its prompt joins `batch`, prefilled in one call."""
-    g.prefix_pages = self.allocator.allocate(g.num_full + g.partial)
-    if g.prefix_pages.size:  # a one-token prompt caches nothing: its token is the first input
-      batch.append(g)
-
-  def _release_prefix(self, g: GroupState) -> None:
-    if g.prefix_pages is not None:
-      self.allocator.release(g.prefix_pages)
-      g.prefix_pages = None
-
-  def _grow_pages(self) -> None:
-    alloc = self.allocator
-    grown = []
-    running = sorted((s for s in self._slots if s is not None), key=lambda s: s.group.order)
-    for seq in running:
-      if self._slots[seq.slot] is not seq:
-        continue  # preempted while serving an older sequence
-      need = self._pages_short(seq)
-      new = alloc.allocate(need) if need > 0 else None
-      while need > 0 and new is None:
-        self._preempt(max((g for g in self._groups
-                           if g.running or g.parked or g.prefix_pages is not None),
-                          key=lambda g: g.order))
-        if self._slots[seq.slot] is not seq:
-          break
-        new = alloc.allocate(need)
-      if new is not None and self._slots[seq.slot] is seq:
-        seq.pages.extend(int(p) for p in new)
-        grown.append(seq)
-    for seq in grown:
-      if self._slots[seq.slot] is seq:
-        self._pending.set_rows(seq.slot, seq.pages)
-
-  def _compact(self) -> int:
-    """Move busy sequences into the lowest slots so the smallest slot bucket that can
-    hold them all does; returns that bucket (the slots the next generate covers)."""
-    busy = [i for i, s in enumerate(self._slots) if s is not None]
-    want = next(k for k in self.engine.slot_buckets if k >= len(busy))
-    high = [i for i in busy if i >= want]
-    if high:
-      low = [i for i in range(want) if self._slots[i] is None][:len(high)]
-      for src, dst in zip(high, low):
-        self._pending.move(src, dst)
-        seq = self._slots[src]
-        seq.slot, self._slots[dst], self._slots[src] = dst, seq, None
-    return want
-
-  def _preempt(self, g: GroupState) -> None:
-    """Drop the group's running and parked samples (they restart from the prompt, under
-    a new attempt) and its pages."""
-    seqs = [s for s in self._slots if s is not None and s.group is g]
-    for seq in seqs:
-      self._pending.free(seq.slot)
-      self._slots[seq.slot] = None
-      self.allocator.release(seq.pages)
-      g.running -= 1
-    restarted = [s.sample_index for s in seqs] + self._drop_parked(g)
-    if g.attempts is not None:
-      for i in restarted:
-        g.attempts[i] += 1
-    g.waiting = collections.deque(sorted(list(g.waiting) + restarted))
-    self._release_prefix(g)
-    self.preemptions += 1
 
   def _consume(self, out: engine_lib.StepOutput, version: int, busy) -> list[Rollout]:
     """Append the tokens of one call to its busy sequences, busy = [(slot, sequence,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,34 +58,8 @@ from rl_jax.trainer import grpo
 from rl_jax.trainer import optimizer as opt_lib
 from rl_jax.trainer.batch import (GRPO_KEYS, ROW_KEYS, SFT_KEYS, TrainBatch, batch_rows,
                                   make_sft_batch, make_train_batch, pad_rows)
+from rl_jax.trainer.state import TrainState, global_norm, merge_rows, split_rows, tree_where
 from rl_jax.types import Group
-
-class TrainState(NamedTuple):
-  """Trainer state; every leaf lives on the trainer mesh."""
-  params: Any  # float32 master params (the adapters under LoRA), TRAIN_RULES shardings
-  opt_state: Any  # optax state (Adam moments sharded like params)
-  step: jax.Array  # int32: step / sft_step calls completed
-  skipped: jax.Array  # int32: optimizer updates skipped for a non-finite loss or gradient
-
-
-def _split_rows(x: jax.Array, n: int) -> jax.Array:
-  """[b, ...] -> [n, b // n, ...]; chunk i holds rows i, i + n, i + 2n, ..."""
-  return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-
-
-def _merge_rows(x: jax.Array) -> jax.Array:
-  """Inverse of _split_rows: [n, b // n, ...] -> [b, ...]."""
-  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
-
-
-def _global_norm(tree) -> jax.Array:
-  """sqrt(sum of squares over every leaf)."""
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
-def _tree_where(flag: jax.Array, new, old):
-  """new where flag else old, leaf by leaf (a select: the kept tree is bitwise unchanged)."""
-  return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
 
 class Trainer:
@@ -250,7 +224,7 @@ class Trainer:
     return NamedSharding(self.mesh, P(None, *self._batch_spec, *(None,) * (ndim - 2)))
 
   def _split(self, x: jax.Array, n: int) -> jax.Array:
-    return jax.lax.with_sharding_constraint(_split_rows(x, n), self._chunk_sharding(x.ndim + 1))
+    return jax.lax.with_sharding_constraint(split_rows(x, n), self._chunk_sharding(x.ndim + 1))
 
   @property
   def batch_multiple(self) -> int:
@@ -343,7 +317,7 @@ class Trainer:
     n = b // (self.micro_batch_size or b)
     chunks = {k: self._split(rows[k], n) for k in ROW_KEYS}
     logp = jax.lax.map(lambda c: self._token_stats(weights, c, adapters).logp_bt, chunks)
-    return jax.lax.stop_gradient(_merge_rows(logp))
+    return jax.lax.stop_gradient(merge_rows(logp))
 
   def _accumulate(self, params, mb, loss_fn, shardings):
     """Sum of loss, stats and gradients (laid out as `shardings`) over the micro-batches
@@ -368,12 +342,12 @@ class Trainer:
 
   def _apply_update(self, optimizer, params, opt_state, grads, loss):
     """One optax update, kept only if loss and gradient norm are finite."""
-    grad_norm = _global_norm(grads)
+    grad_norm = global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params = _tree_where(finite, optax.apply_updates(params, updates), params)
-    opt_state = _tree_where(finite, new_opt_state, opt_state)
-    update_norm = jnp.where(finite, _global_norm(updates), 0.0)
+    params = tree_where(finite, optax.apply_updates(params, updates), params)
+    opt_state = tree_where(finite, new_opt_state, opt_state)
+    update_norm = jnp.where(finite, global_norm(updates), 0.0)
     return params, opt_state, finite, grad_norm, update_norm
 
   def _grpo_micro_loss(self, params, mc, frozen, policy_version):
