@@ -240,7 +240,8 @@ def make_plots(runs: list[dict], outdir: str) -> list[str]:
   ax.set_xlabel("pipeline wall time (s)")
   ax.set_ylabel("completion length (tokens)")
   ax.set_title("Response-length percentiles")
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:  # runs without lengths/* rows draw no lines
+    ax.legend(fontsize=7)
   save(fig, "lengths.png")
   tool_runs = [r for r in runs if r["summary"].get("heldout_tool_call_rate_curve")]
   if tool_runs:
