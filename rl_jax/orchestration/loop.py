@@ -99,8 +99,9 @@ class Pipeline:
     self.control = control.Controller(
         cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
         console=self.console) if control.active(cfg, jax.process_count()) else None
-    if control.inactive_note(cfg, jax.process_count()):
-      self.console.message(control.inactive_note(cfg, jax.process_count()))
+    note = control.inactive_note(cfg, jax.process_count())
+    if note:
+      self.console.message(note)
     self.version = 0  # trainer-owned policy version
     self.heldout_initial: float | None = None
     self.curve: list | None = None  # the held-out curve so far; set once RL starts
