@@ -66,6 +66,10 @@ def get_config(arg=None):
   # Decode steps per host round trip: an integer >= 1, or "auto" (8 on GPU/TPU, 4 on CPU;
   # rl_jax.sampler.engine.resolve_steps_per_call). Typed object so configs may set an int.
   c.sampler.steps_per_call = ml_collections.FieldReference("auto", field_type=object)
+  # Where new program buckets compile: inline (the call waits) | background (a compiled
+  # program covering the call runs meanwhile; single-process async runs only) | auto:
+  # background in single-process async runs, else inline (sampler/programs.py).
+  c.sampler.compile = "auto"
 
   c.trainer = ml_collections.ConfigDict()
   c.trainer.learning_rate = 1e-4

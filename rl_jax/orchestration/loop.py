@@ -46,6 +46,7 @@ evaluation code (`multihost.follow`, rl_jax/orchestration/multihost.py).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -170,6 +171,10 @@ class Pipeline:
       raise RunError(str(e)) from None
     self.engine = Engine.from_config(cfg.sampler, self.model_cfg, mesh=self.meshes.sampler,
                                      tokenizer=self.tokenizer)
+    self._compiler = None
+    if sampler_compile(cfg, multi) == "background":
+      self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+      self.engine.compile_in_background(self._compiler)
     if multi:
       self.engine = multihost.ReplicatedOutputs(self.engine)
     self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
@@ -333,6 +338,11 @@ class Pipeline:
         heldout=(self.heldout_initial, heldout_final), curve=self.curve,
         max_queue_depth=self.queue.max_depth_seen, groups_in_flight=in_flight)
     summary.update(self.trainer.attention.record())
+    programs = getattr(self.engine, "programs", None)
+    if programs is not None:
+      summary.update(sampler_programs_compiled_inline=programs.compiled_inline,
+                     sampler_programs_compiled_background=programs.compiled_background,
+                     sampler_calls_covered=programs.covered_calls)
     summary.update(self.control.summary() if self.control is not None else {})
     if self.tools is not None:
       self.tools.note(wall, step)
@@ -493,9 +503,25 @@ class Pipeline:
   def _stop_workers(self) -> None:
     self.worker.stop()
     self.queue.close()
+    if self._compiler is not None:
+      self._compiler.shutdown(wait=False, cancel_futures=True)
     for pool in (self.pool, self.tools and self.tools.pool):
       if pool is not None:
         pool.close()
+
+
+def sampler_compile(cfg, multi: bool) -> str:
+  """Where the sampler's programs compile (sampler.compile; sampler/programs.py):
+  "background" in a single-process async run unless the config says "inline", else
+  "inline". Sync runs stay reproducible bit for bit, and every process of a
+  multi-process run launches the same programs."""
+  mode = cfg.sampler.compile
+  if mode == "background" and multi:
+    raise RunError("sampler.compile='background' needs a single-process run (every process "
+                   "must launch the same programs); use 'auto' or 'inline'")
+  if mode == "auto":
+    mode = "background" if cfg.rl.mode == "async" and not multi else "inline"
+  return mode
 
 
 def run(cfg, workdir: str) -> dict:

@@ -34,7 +34,9 @@ c cached prompt tokens needs pages for c + n positions (every decode input is ca
 Programs: generate compiles per (slot bucket, page-width bucket, truncation) triple
 (Engine.__init__), and the fused apply_and_generate likewise, without a prefill lane
 and with each lane size the passes use (prefill_lane.sizes). Slot and page-width
-buckets are 2^i and 1.5 x 2^i (at most 1/3 padding).
+buckets are 2^i and 1.5 x 2^i (at most 1/3 padding). A program compiles at its first
+call, or, after compile_in_background, on an executor while covering programs serve
+the calls that need it (programs.py).
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -55,6 +57,7 @@ from rl_jax.sampler import decode, extend, lora_merge
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import prefill as prefill_lib
 from rl_jax.sampler import prefill_lane as prefill_lane_lib
+from rl_jax.sampler import programs as programs_lib
 from rl_jax.sampler.prefill import Prefix
 from rl_jax.sampler import updates
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
@@ -193,7 +196,15 @@ class Engine:
                                    shd.replicated(mesh))
     self._generate: dict[tuple, Any] = {}  # (k, w, u, fused, truncate, lane) -> jitted
     self.merger: lora_merge.Merger | None = None  # a LoRA policy's base (set_base)
+    self.programs: programs_lib.Programs | None = None  # compile_in_background
     self._build_programs()
+
+  def compile_in_background(self, executor) -> None:
+    """Compile fused generate and batched prefill programs on `executor` (a
+    concurrent.futures.Executor; None: inline at the first call, the default), running
+    a compiled program that covers a call until its own is ready (programs.py). For
+    single-process async runs: the program a call runs then depends on timing."""
+    self.programs = None if executor is None else programs_lib.Programs(executor)
 
   def _build_programs(self) -> None:
     cfg, st, rep = self.model_cfg, self.state_shardings, shd.replicated(self._mesh)
@@ -429,6 +440,30 @@ class Engine:
     padded = [self.pad_tokens(p) for p in prompts]
     t = max(len(x) for x, _ in padded)
     n = 1 << (len(padded) - 1).bit_length()
+    params = self.sampler_params(params)
+    args = (params, decode_state) + self._prefill_arrays(padded, pages, n, t)
+    if self.programs is None:
+      return self._prefill_pages(*args)
+    key = ("prefill", n, t)
+    program = self.programs.lookup(key)
+    if program is not None:
+      return program(*args)
+    plan = programs_lib.prefill_plan(self.programs.ready_keys(), num_prompts=len(padded),
+                                     length=t)
+    if plan is None:
+      return self.programs.compile_now(key, self._prefill_pages, args)(*args)
+    self.programs.schedule(key, self._prefill_pages, args)
+    self.programs.covered_calls += 1
+    n2, t2 = plan
+    program = self.programs.lookup(("prefill", n2, t2))
+    for i in range(0, len(padded), n2):
+      decode_state = program(params, decode_state, *self._prefill_arrays(
+          padded[i:i + n2], pages[i:i + n2], n2, t2))
+    return decode_state
+
+  def _prefill_arrays(self, padded, pages, n: int, t: int):
+    """(tokens_nt, true_n, pages_nm) of padded prompts [(tokens, length)] and their pages,
+    the batch padded to n prompts and the positions to t."""
     tokens_nt = np.full((n, t), self.model_cfg.pad_id, np.int32)
     true_n = np.ones((n,), np.int32)
     pages_nm = np.full((n, self.pages_per_seq), pt.NULL_PAGE, np.int32)
@@ -436,8 +471,7 @@ class Engine:
       tokens_nt[i, :len(x)] = x
       true_n[i] = length
       pages_nm[i] = pt.page_table_row(pg, self.pages_per_seq)
-    return self._prefill_pages(self.sampler_params(params), decode_state, tokens_nt, true_n,
-                               pages_nm)
+    return tokens_nt, true_n, pages_nm
 
   def insert_many(self, decode_state: DecodeState, entries: Sequence[dict]) -> DecodeState:
     """Start several sequences in one call.
@@ -501,11 +535,39 @@ class Engine:
       decode_state = self.apply_updates(decode_state, pending)
       pending.clear()
       layout = self.fused_layout
+    params = self.sampler_params(params)
+    if self.programs is not None and self.attention != "ragged":
+      return self._covered_generate(params, decode_state, pending, layout, **generate_kw)
     program, args = self._generate_call(fused=1 + bool(layout.lane), lane=layout.lane,
                                         **generate_kw)
     upd_v = pending.pack(layout)
     pending.clear()
-    return program(self.sampler_params(params), decode_state, upd_v, *args)
+    return program(params, decode_state, upd_v, *args)
+
+  def _covered_generate(self, params, decode_state, pending, layout, *, num_slots=None,
+                        num_pages=None, live=None):
+    """apply_and_generate with compile_in_background: the call's own program when
+    compiled, else (its compile scheduled) the cheapest compiled one that covers it."""
+    del live  # only ragged attention reads it
+    k = self._slots if num_slots is None else int(num_slots)
+    w = self.pages_per_seq if num_pages is None else int(num_pages)
+    key = (k, w, 0, 1 + bool(layout.lane), self.truncate, layout.lane)
+    jitted = self.generate_program(*key[:2], fused=key[3], lane=layout.lane)
+    upd_v = pending.pack(layout)
+    program = self.programs.lookup(key)
+    if program is None:
+      cover = programs_lib.generate_cover(self.programs.ready_keys(), num_slots=k,
+                                          num_pages=w, lane=layout.lane,
+                                          truncate=self.truncate)
+      if cover is None:
+        program = self.programs.compile_now(key, jitted, (params, decode_state, upd_v))
+      else:
+        self.programs.schedule(key, jitted, (params, decode_state, upd_v))
+        self.programs.covered_calls += 1
+        program = self.programs.lookup(cover)
+        upd_v = pending.pack(layout._replace(lane=cover[5]))
+    pending.clear()
+    return program(params, decode_state, upd_v)
 
   def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused, lane=None):
     k = self._slots if num_slots is None else int(num_slots)

@@ -1,0 +1,143 @@
+"""Compiling the sampler's programs off the decode path (Engine.compile_in_background).
+
+The engine has one fused generate program per (slots, page columns, lane tokens) bucket
+and one batched prefill per (prompts, length) bucket (engine.py). Compiled at its first
+call, each new bucket stalls the sampler for its compile: on the 2-core CPU default that
+is about 38 programs of 2-3 s each in the first minutes of a run, a quarter of its
+pipeline time. With an executor, a call whose program is not compiled yet runs a
+compiled program that covers it, and its own program compiles on the executor for the
+calls after it:
+  - generate: more slots (the extra ones are idle on the device), more page columns
+    (masked past every sequence's length) and a lane at least as long (padding
+    segments), `generate_cover`;
+  - prefill: the prompts padded to a compiled batch and length, or in several batches
+    of a compiled size, `prefill_plan`.
+A covering program computes the same tokens and log-probs on more padding, equal up to
+the last bits of floating-point reductions. Which program runs depends on when a
+compile finishes, so sync runs (reproducible bit for bit) and multi-process runs (every
+process must launch the same programs) compile inline.
+
+Keys: generate (num_slots, num_pages, num_live, fused, truncate, lane), Engine's
+generate_program keys; prefill ("prefill", n prompts, t positions).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import numpy as np
+
+
+def abstract(args) -> Any:
+  """ShapeDtypeStructs of a call's arguments: what lowering needs (the jitted function
+  names every argument's sharding)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+
+
+class Programs:
+  """Ahead-of-time compiled programs by key, compiled on `executor` (its thread belongs
+  to the caller, orchestration/). Lookups and scheduling are thread-safe."""
+
+  def __init__(self, executor: concurrent.futures.Executor):
+    self._executor = executor
+    self._lock = threading.Lock()
+    self._ready: dict[Hashable, Callable] = {}
+    self._futures: dict[Hashable, concurrent.futures.Future] = {}
+    self.compiled_inline = 0  # compiles that stalled the caller (nothing covered)
+    self.compiled_background = 0
+    self.covered_calls = 0  # calls that ran a covering program
+
+  def lookup(self, key: Hashable) -> Callable | None:
+    with self._lock:
+      return self._ready.get(key)
+
+  def ready_keys(self) -> list:
+    with self._lock:
+      return list(self._ready)
+
+  def schedule(self, key: Hashable, jitted, args) -> None:
+    """Compile `key` on the executor (once); a failure is raised by `compile_now` or by
+    the next `schedule` of any key, not lost."""
+    with self._lock:
+      self._raise_failures()
+      if key in self._ready or key in self._futures:
+        return
+      specs = abstract(args)
+      self._futures[key] = self._executor.submit(self._compile, key, jitted, specs)
+
+  def compile_now(self, key: Hashable, jitted, args) -> Callable:
+    """The program of `key`, compiled here if no compile of it is under way."""
+    with self._lock:
+      future = self._futures.get(key)
+      if future is None and key not in self._ready:
+        self._futures[key] = future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        inline = True
+      else:
+        inline = False
+    if inline:
+      try:
+        program = jitted.lower(*abstract(args)).compile()
+      except BaseException as e:
+        with self._lock:
+          del self._futures[key]
+        future.set_exception(e)
+        raise
+      with self._lock:
+        self._ready[key] = program
+        self.compiled_inline += 1
+        del self._futures[key]
+      future.set_result(None)
+    elif future is not None:
+      future.result()
+    return self.lookup(key)
+
+  def _compile(self, key, jitted, specs) -> None:
+    program = jitted.lower(*specs).compile()
+    with self._lock:
+      self._ready[key] = program
+      self.compiled_background += 1
+      del self._futures[key]
+
+  def _raise_failures(self) -> None:
+    """(under _lock) A background compile that failed, raised on the caller's thread."""
+    for key, future in list(self._futures.items()):
+      if future.done() and future.exception() is not None:
+        del self._futures[key]
+        raise RuntimeError(f"compiling the sampler program {key} failed") from future.exception()
+
+
+def generate_cover(ready: Sequence, *, num_slots: int, num_pages: int, lane: int,
+                   truncate: bool) -> tuple | None:
+  """The cheapest ready fused-generate key that can run a call over `num_slots` slots
+  and `num_pages` page columns with `lane` lane tokens (0: no lane): at least as many
+  slots and columns, the same sampling variant, and a lane at least as long when one
+  is needed (a lane program runs a call without one on an empty lane). Cost: slots x
+  columns, then lane tokens. None when nothing ready covers it."""
+  best, best_cost = None, None
+  for key in ready:
+    if len(key) != 6 or key[2] or not key[3]:
+      continue  # prefill keys, ragged-attention and unfused programs
+    k, w, _, fused, trunc, lane_k = key
+    if k < num_slots or w < num_pages or trunc != truncate or lane_k < lane:
+      continue
+    cost = (k * w, lane_k)
+    if best_cost is None or cost < best_cost:
+      best, best_cost = key, cost
+  return best
+
+
+def prefill_plan(ready: Sequence, *, num_prompts: int, length: int) -> tuple[int, int] | None:
+  """A ready prefill key ("prefill", n, t) with t >= length to run `num_prompts` prompts
+  on: the smallest batch n >= num_prompts, else the largest batch (the prompts then go
+  in ceil(num_prompts / n) calls). None when no ready program has t >= length."""
+  keys = [(n, t) for tag, n, t in (k for k in ready if len(k) == 3 and k[0] == "prefill")
+          if t >= length]
+  if not keys:
+    return None
+  fits = [(n * t, n, t) for n, t in keys if n >= num_prompts]
+  if fits:
+    return min(fits)[1:]
+  return max(keys, key=lambda nt: (nt[0], -nt[1]))
