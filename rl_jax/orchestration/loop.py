@@ -214,6 +214,8 @@ class Pipeline:
       return self._run()
     finally:
       restore_sigterm()
+      if self._compiler is not None:  # after the final evaluation, which may compile
+        self._compiler.shutdown(wait=False, cancel_futures=True)
       self.writer.close()  # also on failure: metrics.jsonl keeps what was written
       self.checkpoints.close(failing=sys.exc_info()[0] is not None)
 
@@ -503,8 +505,6 @@ class Pipeline:
   def _stop_workers(self) -> None:
     self.worker.stop()
     self.queue.close()
-    if self._compiler is not None:
-      self._compiler.shutdown(wait=False, cancel_futures=True)
     for pool in (self.pool, self.tools and self.tools.pool):
       if pool is not None:
         pool.close()

@@ -441,27 +441,17 @@ class Engine:
     t = max(len(x) for x, _ in padded)
     n = 1 << (len(padded) - 1).bit_length()
     params = self.sampler_params(params)
-    args = (params, decode_state) + self._prefill_arrays(padded, pages, n, t)
+    args = (params, decode_state) + self.prefill_arrays(padded, pages, n, t)
     if self.programs is None:
       return self._prefill_pages(*args)
-    key = ("prefill", n, t)
-    program = self.programs.lookup(key)
-    if program is not None:
-      return program(*args)
-    plan = programs_lib.prefill_plan(self.programs.ready_keys(), num_prompts=len(padded),
-                                     length=t)
-    if plan is None:
-      return self.programs.compile_now(key, self._prefill_pages, args)(*args)
-    self.programs.schedule(key, self._prefill_pages, args)
-    self.programs.covered_calls += 1
-    n2, t2 = plan
-    program = self.programs.lookup(("prefill", n2, t2))
-    for i in range(0, len(padded), n2):
-      decode_state = program(params, decode_state, *self._prefill_arrays(
-          padded[i:i + n2], pages[i:i + n2], n2, t2))
-    return decode_state
+    return programs_lib.covered_prefill(self, args, padded, pages)
 
-  def _prefill_arrays(self, padded, pages, n: int, t: int):
+  @property
+  def prefill_pages_program(self):
+    """The jitted batched prefill (programs.py compiles its buckets ahead)."""
+    return self._prefill_pages
+
+  def prefill_arrays(self, padded, pages, n: int, t: int):
     """(tokens_nt, true_n, pages_nm) of padded prompts [(tokens, length)] and their pages,
     the batch padded to n prompts and the positions to t."""
     tokens_nt = np.full((n, t), self.model_cfg.pad_id, np.int32)
@@ -537,37 +527,13 @@ class Engine:
       layout = self.fused_layout
     params = self.sampler_params(params)
     if self.programs is not None and self.attention != "ragged":
-      return self._covered_generate(params, decode_state, pending, layout, **generate_kw)
+      return programs_lib.covered_generate(self, params, decode_state, pending, layout,
+                                           **generate_kw)
     program, args = self._generate_call(fused=1 + bool(layout.lane), lane=layout.lane,
                                         **generate_kw)
     upd_v = pending.pack(layout)
     pending.clear()
     return program(params, decode_state, upd_v, *args)
-
-  def _covered_generate(self, params, decode_state, pending, layout, *, num_slots=None,
-                        num_pages=None, live=None):
-    """apply_and_generate with compile_in_background: the call's own program when
-    compiled, else (its compile scheduled) the cheapest compiled one that covers it."""
-    del live  # only ragged attention reads it
-    k = self._slots if num_slots is None else int(num_slots)
-    w = self.pages_per_seq if num_pages is None else int(num_pages)
-    key = (k, w, 0, 1 + bool(layout.lane), self.truncate, layout.lane)
-    jitted = self.generate_program(*key[:2], fused=key[3], lane=layout.lane)
-    upd_v = pending.pack(layout)
-    program = self.programs.lookup(key)
-    if program is None:
-      cover = programs_lib.generate_cover(self.programs.ready_keys(), num_slots=k,
-                                          num_pages=w, lane=layout.lane,
-                                          truncate=self.truncate)
-      if cover is None:
-        program = self.programs.compile_now(key, jitted, (params, decode_state, upd_v))
-      else:
-        self.programs.schedule(key, jitted, (params, decode_state, upd_v))
-        self.programs.covered_calls += 1
-        program = self.programs.lookup(cover)
-        upd_v = pending.pack(layout._replace(lane=cover[5]))
-    pending.clear()
-    return program(params, decode_state, upd_v)
 
   def _generate_call(self, num_slots=None, num_pages=None, live=None, *, fused, lane=None):
     k = self._slots if num_slots is None else int(num_slots)

@@ -141,3 +141,53 @@ def prefill_plan(ready: Sequence, *, num_prompts: int, length: int) -> tuple[int
   if fits:
     return min(fits)[1:]
   return max(keys, key=lambda nt: (nt[0], -nt[1]))
+
+
+def covered_generate(engine, params, decode_state, pending, layout, *, num_slots=None,
+                     num_pages=None, live=None):
+  """Engine.apply_and_generate under compile_in_background: the call's own program
+  when compiled, else (its compile scheduled) the cheapest compiled one covering it,
+  with the update packed for that program's lane."""
+  del live  # only ragged attention reads it, and it compiles inline
+  progs = engine.programs
+  k = engine.max_concurrent_decodes if num_slots is None else int(num_slots)
+  w = engine.pages_per_seq if num_pages is None else int(num_pages)
+  key = (k, w, 0, 1 + bool(layout.lane), engine.truncate, layout.lane)
+  jitted = engine.generate_program(k, w, fused=key[3], lane=layout.lane)
+  upd_v = pending.pack(layout)
+  program = progs.lookup(key)
+  if program is None:
+    cover = generate_cover(progs.ready_keys(), num_slots=k, num_pages=w, lane=layout.lane,
+                           truncate=engine.truncate)
+    if cover is None:
+      program = progs.compile_now(key, jitted, (params, decode_state, upd_v))
+    else:
+      progs.schedule(key, jitted, (params, decode_state, upd_v))
+      progs.covered_calls += 1
+      program = progs.lookup(cover)
+      upd_v = pending.pack(layout._replace(lane=cover[5]))
+  pending.clear()
+  return program(params, decode_state, upd_v)
+
+
+def covered_prefill(engine, args, padded, pages):
+  """Engine.prefill_into_pages under compile_in_background. args = (params, state,
+  tokens_nt, true_n, pages_nm) of its own program; padded = [(tokens, length)]."""
+  progs = engine.programs
+  n, t = args[2].shape
+  key = ("prefill", n, t)
+  program = progs.lookup(key)
+  if program is not None:
+    return program(*args)
+  plan = prefill_plan(progs.ready_keys(), num_prompts=len(padded), length=t)
+  if plan is None:
+    return progs.compile_now(key, engine.prefill_pages_program, args)(*args)
+  progs.schedule(key, engine.prefill_pages_program, args)
+  progs.covered_calls += 1
+  n2, t2 = plan
+  program = progs.lookup(("prefill", n2, t2))
+  params, state = args[:2]
+  for i in range(0, len(padded), n2):
+    state = program(params, state,
+                    *engine.prefill_arrays(padded[i:i + n2], pages[i:i + n2], n2, t2))
+  return state
