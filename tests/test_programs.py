@@ -60,7 +60,9 @@ def test_generate_cover_is_the_cheapest_ready_program_that_covers_the_call():
            gen_key(2, 2, truncate=True), ("prefill", 4, 8), (8, 6, 0, 0, False, 0),
            (8, 6, 12, 1, False, 0)]
   cover = programs.generate_cover
-  assert cover(ready, num_slots=3, num_pages=2, lane=0, truncate=False) == gen_key(8, 3, lane=4)
+  assert cover(ready, num_slots=5, num_pages=2, lane=0, truncate=False) == gen_key(8, 3, lane=4)
+  # 4 x 6 and 8 x 3 tie on slots x columns: the one without a lane runs less.
+  assert cover(ready, num_slots=3, num_pages=2, lane=0, truncate=False) == gen_key(4, 6)
   assert cover(ready, num_slots=3, num_pages=4, lane=0, truncate=False) == gen_key(4, 6)
   assert cover(ready, num_slots=5, num_pages=4, lane=8, truncate=False) == gen_key(8, 6, lane=16)
   assert cover(ready, num_slots=2, num_pages=2, lane=0, truncate=True) == gen_key(2, 2, truncate=True)
@@ -148,7 +150,7 @@ def test_covered_prefill_writes_the_pages_an_exact_prefill_writes():
   assert eng.programs.covered_calls == 1 and len(executor.jobs) == 1
   for got, ref in zip(jax.tree.leaves((state.k_pages, state.v_pages)),
                       jax.tree.leaves((want.k_pages, want.v_pages))):
-    np.testing.assert_allclose(np.asarray(got)[:11], np.asarray(ref)[:11], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got)[:11], np.asarray(ref)[:11], atol=1e-5)
 
 
 def test_where_the_sampler_compiles():
