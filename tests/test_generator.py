@@ -23,9 +23,16 @@ SAMPLING = E.Sampling(temperature=0.8, top_k=20, top_p=0.9)
 
 
 def make_engine(num_pages, stop_ids, **kw):
-  return E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
-                  max_concurrent_decodes=4, page_size=PAGE, num_pages=num_pages,
-                  max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids, **kw)
+  """An engine whose generate programs are the truncating sampling variant from the
+  start: every test of the module (greedy or top-k/top-p) then shares one program per
+  (slot, width) bucket instead of compiling both variants, compiling being most of this
+  module's time. The non-truncating fused variant is checked against recompute
+  elsewhere (test_updates, test_train_step's logprob mismatch)."""
+  eng = E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
+                 max_concurrent_decodes=4, page_size=PAGE, num_pages=num_pages,
+                 max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids, **kw)
+  eng.truncate = True
+  return eng
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,8 +41,9 @@ def _apply_fn():
 
 
 def logits_at(params, seqs):
-  """Next-token logits after each sequence (full recompute, padded to width 32)."""
-  batch = np.zeros((len(seqs), 32), np.int32)
+  """Next-token logits after each sequence (full recompute; rows padded to a multiple of
+  16 and width 32, so one program serves every call)."""
+  batch = np.zeros((-(-len(seqs) // 16) * 16, 32), np.int32)
   for i, s in enumerate(seqs):
     batch[i, :len(s)] = s
   out = np.asarray(_apply_fn()(params, jnp.asarray(batch)))
@@ -129,6 +137,12 @@ def ragged_engine(stop_id):
   """Attention over only the pages each busy sequence uses, two steps per call."""
   return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id), attention="ragged",
                      steps_per_call=2)
+
+
+@pytest.fixture(scope="module")
+def tight_engine(stop_id):
+  """12 pages: fewer than the tests below start at once (shared by two tests)."""
+  return make_engine(num_pages=12, stop_ids=(CFG.eos_id, stop_id))
 
 
 @pytest.fixture(params=["unrolled", "scan", "ragged"])
@@ -359,7 +373,7 @@ def test_weight_update_without_inflight_drains_first(engine, params):
   assert gen.allocator.num_used == 0
 
 
-def test_pages_run_out_admission_waits_without_corruption(engine, params, stop_id):
+def test_pages_run_out_admission_waits_without_corruption(engine, tight_engine, params):
   groups = {i: (PROMPTS[i], 2) for i in range(len(PROMPTS))}
 
   def go(eng, check=None):
@@ -369,7 +383,6 @@ def test_pages_run_out_admission_waits_without_corruption(engine, params, stop_i
     return gen, {(r.group_id, r.sample_index): r for r in run(gen, check=check)}
 
   _, roomy = go(engine)
-  tight_engine = make_engine(num_pages=12, stop_ids=(CFG.eos_id, stop_id))
   waited = []
 
   def check(g):
@@ -418,13 +431,13 @@ def test_abort_all_and_generate_keep_accounting(engine, params):
   assert gen.allocator.num_used == 0
 
 
-def test_lend_pool_evaluates_in_the_samplers_pool(params, stop_id):
+def test_lend_pool_evaluates_in_the_samplers_pool(tight_engine, params):
   """Issue 29: the held-out evaluator has no pool of its own; it borrows the sampler's
   while the sampler is paused. With the pool full of running groups, lending first
   preempts the youngest until one held-out sequence fits. The evaluator's greedy
   completions match recompute, its pages all come back, and the lender's rollouts equal
   those of a run without evaluation (preempted samples re-run with their seeds)."""
-  tight = make_engine(num_pages=12, stop_ids=(CFG.eos_id, stop_id))
+  tight = tight_engine
   prompts = [PROMPTS[1], PROMPTS[5]]
 
   def go(evaluate):
