@@ -301,8 +301,10 @@ def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention, layers
   mcfg = _model_cfg().replace(attention=attention)
   params = jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p,
                         model.init_params(mcfg, jax.random.key(5)))
-  eng = engine_lib.Engine(mcfg, mesh=_mesh((1, 1, 1)), max_concurrent_decodes=8, page_size=4,
-                          num_pages=64, max_prefill_length=8, max_new_tokens=12, stop_ids=(),
+  # Pages of 8: every sequence (4 + 12 positions) still spans two pages, and the
+  # decode passes need two page-width programs, not four.
+  eng = engine_lib.Engine(mcfg, mesh=_mesh((1, 1, 1)), max_concurrent_decodes=8, page_size=8,
+                          num_pages=32, max_prefill_length=8, max_new_tokens=12, stop_ids=(),
                           dtype="float32", layers=layers)
   gen = gen_lib.Generator(eng, params, version=0)
   prompts = [PROMPT, np.array([1, 7, 8], np.int32)]
