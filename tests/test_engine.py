@@ -51,12 +51,14 @@ def _apply_fn():
 
 
 def reference_greedy(params, prompts, num_tokens):
-  """Greedy continuation by full recompute: tokens [n, num_tokens], logprobs (T=1)."""
-  width = max(len(p) for p in prompts) + num_tokens
+  """Greedy continuation by full recompute: tokens [n, num_tokens], logprobs (T=1).
+  Rows padded to a multiple of 4 and width 32, so one program serves every call."""
+  width = 32
+  assert max(len(p) for p in prompts) + num_tokens <= width
   seqs = [list(p) for p in prompts]
   toks, lps = [], []
   for _ in range(num_tokens):
-    batch = np.zeros((len(seqs), width), np.int32)
+    batch = np.zeros((-(-len(seqs) // 4) * 4, width), np.int32)
     for i, s in enumerate(seqs):
       batch[i, :len(s)] = s
     logp = jax.nn.log_softmax(_apply_fn()(params, jnp.asarray(batch)), axis=-1)
@@ -114,15 +116,25 @@ def test_from_config_derives_pool_from_kv_bytes():
   assert E.Engine.from_config(sampler, CFG, mesh=eng.mesh).num_pages == 100
 
 
+def _sample_rows(logits, n, seed, temperature, top_k, top_p):
+  """E.sample_tokens on n copies of `logits`, keys split from key(seed): one jitted
+  program (traced per call, so a patched TRUNCATION_CAP applies) instead of an eager
+  compile per op."""
+  @jax.jit
+  def draw(logits):
+    return E.sample_tokens(
+        logits_bv=jnp.tile(logits, (n, 1)),
+        keys_br=jax.random.key_data(jax.random.split(jax.random.key(seed), n)),
+        temperature_b=jnp.full((n,), temperature), top_k_b=jnp.full((n,), top_k, jnp.int32),
+        top_p_b=jnp.full((n,), top_p))
+  return draw(logits)
+
+
 def test_sample_tokens_temperature_matches_softmax():
-  logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
+  logits = np.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], np.float32)
   n, temp = 6000, 0.7
-  tokens, logprobs = E.sample_tokens(
-      logits_bv=jnp.tile(logits, (n, 1)),
-      keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), n)),
-      temperature_b=jnp.full((n,), temp), top_k_b=jnp.zeros((n,), jnp.int32),
-      top_p_b=jnp.ones((n,)))
-  probs = np.asarray(jax.nn.softmax(logits / temp))
+  tokens, logprobs = _sample_rows(logits, n, 0, temp, 0, 1.0)
+  probs = np.asarray(jax.jit(lambda x: jax.nn.softmax(x / temp))(logits))
   counts = np.bincount(np.asarray(tokens), minlength=6)
   chi2 = float(np.sum((counts - n * probs) ** 2 / (n * probs)))
   assert chi2 < 20.5, (chi2, counts, n * probs)  # 5 dof: p = 0.001
@@ -137,15 +149,12 @@ def test_sample_tokens_truncation(top_k, top_p, cap, allowed, monkeypatch):
   """Truncated sampling equals the softmax over the kept tokens; a nucleus wider than
   the top_k cap is cut at the cap's candidates."""
   monkeypatch.setattr(sampling, "TRUNCATION_CAP", cap)
-  logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], jnp.float32)
+  logits = np.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], np.float32)
   n = 3000
-  tokens, logprobs = E.sample_tokens(
-      logits_bv=jnp.tile(logits, (n, 1)),
-      keys_br=jax.random.key_data(jax.random.split(jax.random.key(1), n)),
-      temperature_b=jnp.ones((n,)), top_k_b=jnp.full((n,), top_k, jnp.int32),
-      top_p_b=jnp.full((n,), top_p))
+  tokens, logprobs = _sample_rows(logits, n, 1, 1.0, top_k, top_p)
   probs = np.zeros(6)
-  probs[allowed] = np.asarray(jax.nn.softmax(logits[np.asarray(allowed)]))
+  kept = logits[np.asarray(allowed)]
+  probs[allowed] = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
   counts = np.bincount(np.asarray(tokens), minlength=6)
   assert set(np.flatnonzero(counts)) == set(allowed)
   keep = probs > 0
@@ -158,16 +167,16 @@ def test_sample_tokens_truncation(top_k, top_p, cap, allowed, monkeypatch):
 def test_threefry_keys_match_jax():
   """The unrolled Threefry equals JAX's, and request / step keys equal JAX's fold_in."""
   import jax.extend.random as jr
-  key = jax.random.key_data(jax.random.key(3))
-  x = jnp.arange(10, dtype=jnp.uint32) * 977
-  y0, y1 = sampling.threefry2x32(key[0], key[1], x[:5], x[5:])
+  key = np.asarray(jax.random.key_data(jax.random.key(3)))
+  x = np.arange(10, dtype=np.uint32) * 977
+  y0, y1 = jax.jit(sampling.threefry2x32)(key[0], key[1], x[:5], x[5:])
   np.testing.assert_array_equal(np.concatenate([y0, y1]), jr.threefry_2x32(key, x))
   for seed, index in ((0, 0), (7, 3), (2 ** 31 - 1, 1000)):
     want = jax.random.fold_in(jax.random.key(seed), index)
     raw = sampling.request_key(seed, index)
     np.testing.assert_array_equal(raw, jax.random.key_data(want))
     np.testing.assert_array_equal(
-        sampling.step_keys(jnp.asarray(raw)[None], jnp.asarray([5]))[0],
+        jax.jit(sampling.step_keys)(np.asarray(raw)[None], np.asarray([5]))[0],
         jax.random.key_data(jax.random.fold_in(want, 5)))
 
 
@@ -198,27 +207,29 @@ def test_lane_attention_equals_each_prompt_alone(implementation):
   from rl_jax.sampler import prefill_lane
   lengths = (5, 1, 7, 3)  # the last three positions are padding
   seg = np.concatenate([np.full(n, i if i < 3 else -1) for i, n in enumerate(lengths)])
-  q, k, v = (jax.random.normal(jax.random.key(i), (1, len(seg), h, 8))
+  q, k, v = (np.asarray(jax.random.normal(jax.random.key(i), (1, len(seg), h, 8)))
              for i, h in enumerate((6, 2, 2)))
-  out = prefill_lane.lane_attention(q, k, v, jnp.asarray(seg, jnp.int32),
-                                    implementation=implementation)
+  # Jitted, as in the sampler: one compile each, not one per eager op.
+  out = jax.jit(functools.partial(prefill_lane.lane_attention, implementation=implementation))(
+      q, k, v, np.asarray(seg, np.int32))
+  reference = jax.jit(functools.partial(model.causal_attention, implementation="jnp"))
   at = 0
   for n in lengths[:3]:
     sl = slice(at, at + n)
-    want = model.causal_attention(q[:, sl], k[:, sl], v[:, sl], implementation="jnp")
+    want = reference(q[:, sl], k[:, sl], v[:, sl])
     np.testing.assert_allclose(out[:, sl], want, atol=1e-5)
     at += n
 
 
 def test_sample_tokens_greedy_reports_model_logprob():
-  logits = jax.random.normal(jax.random.key(2), (3, 11))
-  tokens, logprobs = E.sample_tokens(
-      logits_bv=logits, keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), 3)),
+  logits = np.asarray(jax.random.normal(jax.random.key(2), (3, 11)))
+  tokens, logprobs = jax.jit(lambda x: E.sample_tokens(
+      logits_bv=x, keys_br=jax.random.key_data(jax.random.split(jax.random.key(0), 3)),
       temperature_b=jnp.zeros((3,)), top_k_b=jnp.full((3,), 2, jnp.int32),
-      top_p_b=jnp.full((3,), 0.3))
-  np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
+      top_p_b=jnp.full((3,), 0.3)))(logits)
+  np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
   np.testing.assert_allclose(
-      logprobs, jnp.max(jax.nn.log_softmax(logits, -1), -1), atol=1e-6)
+      logprobs, jax.jit(lambda x: jnp.max(jax.nn.log_softmax(x, -1), -1))(logits), atol=1e-6)
 
 
 def test_paged_greedy_matches_recompute_with_slot_reuse(engine, params):

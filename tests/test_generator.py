@@ -12,6 +12,7 @@ from rl_jax import model
 from rl_jax import sharding as shd
 from rl_jax.sampler import engine as E
 from rl_jax.sampler import generator as G
+from rl_jax.sampler import page_table as pt
 
 CFG = model.get_preset("tiny_char")
 PAGE = 4
@@ -23,9 +24,16 @@ SAMPLING = E.Sampling(temperature=0.8, top_k=20, top_p=0.9)
 
 
 def make_engine(num_pages, stop_ids, **kw):
-  return E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
-                  max_concurrent_decodes=4, page_size=PAGE, num_pages=num_pages,
-                  max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids, **kw)
+  """An engine whose generate programs are the truncating sampling variant from the
+  start: every test of the module (greedy or top-k/top-p) then shares one program per
+  (slot, width) bucket instead of compiling both variants, compiling being most of this
+  module's time. The non-truncating fused variant is checked against recompute
+  elsewhere (test_updates, test_train_step's logprob mismatch)."""
+  eng = E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
+                 max_concurrent_decodes=4, page_size=PAGE, num_pages=num_pages,
+                 max_prefill_length=16, max_new_tokens=MAX_NEW, stop_ids=stop_ids, **kw)
+  eng.truncate = True
+  return eng
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,8 +42,9 @@ def _apply_fn():
 
 
 def logits_at(params, seqs):
-  """Next-token logits after each sequence (full recompute, padded to width 32)."""
-  batch = np.zeros((len(seqs), 32), np.int32)
+  """Next-token logits after each sequence (full recompute; rows padded to a multiple of
+  16 and width 32, so one program serves every call)."""
+  batch = np.zeros((-(-len(seqs) // 16) * 16, 32), np.int32)
   for i, s in enumerate(seqs):
     batch[i, :len(s)] = s
   out = np.asarray(_apply_fn()(params, jnp.asarray(batch)))
@@ -129,6 +138,17 @@ def ragged_engine(stop_id):
   """Attention over only the pages each busy sequence uses, two steps per call."""
   return make_engine(num_pages=40, stop_ids=(CFG.eos_id, stop_id), attention="ragged",
                      steps_per_call=2)
+
+
+def tight_generator(engine, params, **kw):
+  """A Generator on `engine` whose allocator hands out the pages of a 12-page pool (11
+  usable), fewer than the tests below start at once. Every admission, preemption and
+  lending decision reads the allocator, so this is the small pool's schedule, decoded
+  by the programs the module's engine already compiled (a 12-page engine would compile
+  a program family of its own; pools used to their last page: test_generator_turns)."""
+  gen = G.Generator(engine, params, **kw)
+  gen.allocator = pt.PageAllocator(num_pages=12, page_size=PAGE)
+  return gen
 
 
 @pytest.fixture(params=["unrolled", "scan", "ragged"])
@@ -359,17 +379,16 @@ def test_weight_update_without_inflight_drains_first(engine, params):
   assert gen.allocator.num_used == 0
 
 
-def test_pages_run_out_admission_waits_without_corruption(engine, params, stop_id):
+def test_pages_run_out_admission_waits_without_corruption(engine, params):
   groups = {i: (PROMPTS[i], 2) for i in range(len(PROMPTS))}
 
-  def go(eng, check=None):
-    gen = G.Generator(eng, params, sampling=SAMPLING)
+  def go(make, check=None):
+    gen = make(engine, params, sampling=SAMPLING)
     for gid, (p, n) in groups.items():
       gen.add_group(gid, p, n, seed=100 + gid, stop_on_eos=False)
     return gen, {(r.group_id, r.sample_index): r for r in run(gen, check=check)}
 
-  _, roomy = go(engine)
-  tight_engine = make_engine(num_pages=12, stop_ids=(CFG.eos_id, stop_id))
+  _, roomy = go(G.Generator)
   waited = []
 
   def check(g):
@@ -377,7 +396,8 @@ def test_pages_run_out_admission_waits_without_corruption(engine, params, stop_i
     assert g.kv_pages_used <= g.allocator.capacity
     waited.append(g.num_pending > 0 and g.num_active < 4)
 
-  gen, tight = go(tight_engine, check)
+  gen, tight = go(tight_generator, check)
+  assert gen.allocator.capacity == 11
   assert any(waited), "the small pool should make admission wait"
   assert gen.preemptions > 0, "the small pool should force a preemption"
   assert tight.keys() == roomy.keys()
@@ -418,30 +438,29 @@ def test_abort_all_and_generate_keep_accounting(engine, params):
   assert gen.allocator.num_used == 0
 
 
-def test_lend_pool_evaluates_in_the_samplers_pool(params, stop_id):
+def test_lend_pool_evaluates_in_the_samplers_pool(engine, params):
   """Issue 29: the held-out evaluator has no pool of its own; it borrows the sampler's
   while the sampler is paused. With the pool full of running groups, lending first
   preempts the youngest until one held-out sequence fits. The evaluator's greedy
   completions match recompute, its pages all come back, and the lender's rollouts equal
   those of a run without evaluation (preempted samples re-run with their seeds)."""
-  tight = make_engine(num_pages=12, stop_ids=(CFG.eos_id, stop_id))
   prompts = [PROMPTS[1], PROMPTS[5]]
 
   def go(evaluate):
-    gen = G.Generator(tight, params, sampling=SAMPLING)
+    gen = tight_generator(engine, params, sampling=SAMPLING)
     for gid in (3, 4, 6):
       gen.add_group(gid, PROMPTS[gid], 2, seed=100 + gid, stop_on_eos=False)
     out = gen.step() + gen.step()
     if evaluate:
-      ev = G.Generator(tight, params, borrows_pool=True)
-      with gen.lend_pool(ev, tight.pages_per_seq + 1):
-        assert gen.preemptions > 0 and gen.allocator.num_free >= tight.pages_per_seq + 1
+      ev = G.Generator(engine, params, borrows_pool=True)
+      with gen.lend_pool(ev, engine.pages_per_seq + 1):
+        assert gen.preemptions > 0 and gen.allocator.num_free >= engine.pages_per_seq + 1
         used = gen.allocator.num_used
         completions = ev.generate(prompts, max_new_tokens=6)
         assert gen.allocator.num_used == used
-      ref_t, _ = reference_greedy(lambda i: params, prompts, 6, tight.stop_ids)
+      ref_t, _ = reference_greedy(lambda i: params, prompts, 6, engine.stop_ids)
       for got, want in zip(completions, ref_t):
-        np.testing.assert_array_equal(got, want[:-1] if want[-1] in tight.stop_ids else want)
+        np.testing.assert_array_equal(got, want[:-1] if want[-1] in engine.stop_ids else want)
     out += run(gen, check=check_pages)
     assert gen.allocator.num_used == 0
     return {(r.group_id, r.sample_index): r for r in out}

@@ -37,10 +37,15 @@ def turn_end(toks):
 
 def make_engine(**kw):
   """Two slots and 12 usable pages: every test meets preemption and waits for pages,
-  and one engine's programs serve all tests (compiling dominates their time)."""
-  return E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
-                  max_concurrent_decodes=2, page_size=PAGE, num_pages=13,
-                  max_prefill_length=16, max_new_tokens=MAX_NEW, steps_per_call=2, **kw)
+  and one engine's programs serve all tests (compiling dominates their time): its
+  generate programs are the truncating sampling variant from the start, so greedy and
+  top-k/top-p tests share them (the non-truncating variant is checked against recompute
+  in test_updates and test_train_step's logprob mismatch)."""
+  eng = E.Engine(CFG, mesh=shd.make_mesh((1, 1, 1), jax.devices()[:1]),
+                 max_concurrent_decodes=2, page_size=PAGE, num_pages=13,
+                 max_prefill_length=16, max_new_tokens=MAX_NEW, steps_per_call=2, **kw)
+  eng.truncate = True
+  return eng
 
 
 @pytest.fixture(scope="module")

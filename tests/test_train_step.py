@@ -118,23 +118,26 @@ def test_gradient_matches_finite_differences(params0):
   cfg = _trainer_cfg(kl_beta=0.1, kl_estimator="k3", loss_agg="seq_mean_token_mean",
                      tis_cap=1.5)
   trainer = ts.Trainer(_model_cfg(), cfg, _mesh((1, 1, 1)), total_steps=1)
-  params0 = trainer.init_state(params=params0).params
+  # Directions and shifted params are formed on the host (NumPy, float32 like the
+  # params): only the trainer's own programs compile, no per-leaf eager ops.
+  params0 = _host(trainer.init_state(params=params0).params)
   batch = trainer.make_train_batch(_groups(2))
   # The reference is theta_0 and pi_prox is theta_0 shifted, so every term has curvature.
-  shifted = jax.tree.map(lambda p: p * 1.05, params0)
+  shifted = jax.tree.map(lambda p: p * np.float32(1.05), params0)
   prox = trainer.logprobs(shifted, batch)
   _, grads = trainer.loss_and_grad(params0, batch, prox)
+  grads = _host(grads)
   rng = np.random.default_rng(0)
-  h = 1e-2
+  h = np.float32(1e-2)
   for _ in range(3):
-    u = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params0)
-    norm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(u))))
-    u = jax.tree.map(lambda x: x / norm, u)
+    u = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params0)
+    norm = np.sqrt(sum(np.sum(x * x, dtype=np.float64) for x in jax.tree.leaves(u)))
+    u = jax.tree.map(lambda x: (x / norm).astype(np.float32), u)
     at = lambda s: trainer.loss_and_grad(
         jax.tree.map(lambda p, d: p + s * d, params0, u), batch, prox)[0]
     fd = (float(at(h)) - float(at(-h))) / (2 * h)
-    analytic = float(sum(jnp.sum(g * d) for g, d in zip(jax.tree.leaves(grads),
-                                                        jax.tree.leaves(u))))
+    analytic = float(sum(np.sum(g * d, dtype=np.float64) for g, d in zip(jax.tree.leaves(grads),
+                                                                         jax.tree.leaves(u))))
     np.testing.assert_allclose(analytic, fd, rtol=3e-2, atol=1e-5)
 
 
@@ -301,8 +304,10 @@ def test_logprob_mismatch_with_the_sampler_is_small_in_float32(attention, layers
   mcfg = _model_cfg().replace(attention=attention)
   params = jax.tree.map(lambda p: p * 3.0 if p.ndim >= 2 else p,
                         model.init_params(mcfg, jax.random.key(5)))
-  eng = engine_lib.Engine(mcfg, mesh=_mesh((1, 1, 1)), max_concurrent_decodes=8, page_size=4,
-                          num_pages=64, max_prefill_length=8, max_new_tokens=12, stop_ids=(),
+  # Pages of 8: every sequence (4 + 12 positions) still spans two pages, and the
+  # decode passes need two page-width programs, not four.
+  eng = engine_lib.Engine(mcfg, mesh=_mesh((1, 1, 1)), max_concurrent_decodes=8, page_size=8,
+                          num_pages=32, max_prefill_length=8, max_new_tokens=12, stop_ids=(),
                           dtype="float32", layers=layers)
   gen = gen_lib.Generator(eng, params, version=0)
   prompts = [PROMPT, np.array([1, 7, 8], np.int32)]
