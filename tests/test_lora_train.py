@@ -28,17 +28,21 @@ def base0():
 
 
 def _nonzero_adapters(cfg, seed):
-  """Adapters with B != 0 as well (an initialised B = 0 would hide dL/dA)."""
-  keys = iter(jax.random.split(jax.random.key(seed), 2 * len(cfg.lora_targets)))
-  return jax.tree.map(lambda s: 0.3 * jax.random.normal(next(keys), s.shape, s.dtype),
+  """Adapters with B != 0 as well (an initialised B = 0 would hide dL/dA); NumPy, so
+  drawing them compiles nothing."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype),
                       lora.adapter_shapes(cfg))
 
 
 def _next_token_logp(cfg, params, tokens_bt, adapters=None):
-  """log pi(tokens[t + 1] | tokens[:t + 1]) from the full logits (model.apply)."""
-  logp_btv = jax.nn.log_softmax(model.apply(cfg, params, tokens_bt, adapters=adapters), -1)
-  picked = jnp.take_along_axis(logp_btv[:, :-1], tokens_bt[:, 1:, None], axis=-1)[..., 0]
-  return np.asarray(picked)
+  """log pi(tokens[t + 1] | tokens[:t + 1]) from the full logits (model.apply), as one
+  program (op by op, model.apply compiles every primitive separately)."""
+  def logp(params, tokens_bt, adapters):
+    logp_btv = jax.nn.log_softmax(model.apply(cfg, params, tokens_bt, adapters=adapters), -1)
+    return jnp.take_along_axis(logp_btv[:, :-1], tokens_bt[:, 1:, None], axis=-1)[..., 0]
+  run = jax.jit(logp, in_shardings=None, out_shardings=None, donate_argnums=())
+  return np.asarray(run(params, tokens_bt, adapters))
 
 
 def test_adapter_gradient_is_the_full_gradient_projected(base0):

@@ -33,9 +33,16 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# The session's persistent compilation cache (tests/conftest.py) is kept: compiling is
+# most of a tiny run, and later runs (and process 1, once process 0 wrote an entry) load
+# the programs earlier runs compiled.
+_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
 def _env(**extra) -> dict:
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAX_", "XLA_", "SLURM_", "OMPI_", "TPU_"))}
+         if k in _CACHE or not k.startswith(("JAX_", "XLA_", "SLURM_", "OMPI_", "TPU_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
   return env
 

@@ -1,8 +1,10 @@
 """Resume and fault handling of real runs: launch/train.py in subprocesses, killed with
 SIGKILL and preempted with SIGTERM at whatever step they reached, then resumed."""
+import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,12 +44,11 @@ TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  # Later runs load the first run's executables: compilation is most of a tiny run.
-  cache = str(tmp_path_factory.mktemp("jax_cache"))
-  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache,
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+def env():
+  # The session's persistent compilation cache (tests/conftest.py): later runs load the
+  # executables earlier runs and in-process tests compiled; compiling is most of a tiny run.
+  assert os.environ["JAX_COMPILATION_CACHE_DIR"]
+  return dict(os.environ)
 
 
 class Run:
@@ -63,6 +64,16 @@ class Run:
     with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
       self.proc = subprocess.Popen([sys.executable, script, *cmd], cwd=ROOT, env=env,
                                    stdout=out, stderr=err)
+
+  @classmethod
+  def finished(cls, workdir, n):
+    """The n-th run of `workdir` (its out{n}.txt / err{n}.txt), which has exited."""
+    run = cls.__new__(cls)
+    run.workdir = workdir
+    run.out_path = os.path.join(workdir, f"out{n}.txt")
+    run.err_path = os.path.join(workdir, f"err{n}.txt")
+    run.proc = None
+    return run
 
   @property
   def out(self):
@@ -126,16 +137,17 @@ def _corrupt(workdir, step):
         f.write(data)
 
 
-def _finish(run):
-  assert run.wait() == 0, run.err[-3000:]
+def _summary(run):
   return json.load(open(os.path.join(run.workdir, "summary.json")))
 
 
-@pytest.fixture(scope="module")
-def sync_runs(env, tmp_path_factory):
-  """An uninterrupted sync run, and one SIGKILLed after step 2 and resumed; both filter
-  zero-variance groups (the untrained model's groups are mostly uniform)."""
-  base = tmp_path_factory.mktemp("sync")
+def _finish(run):
+  assert run.wait() == 0, run.err[-3000:]
+  return _summary(run)
+
+
+def _sync_runs(env, base):
+  """Runs into `base`: see sync_runs."""
   ref, killed = str(base / "uninterrupted"), str(base / "killed")
   flags = ("--config.rl.mode=sync", "--config.rl.filter_groups=zero_variance",
            "--config.rl.max_oversample=2")
@@ -145,7 +157,34 @@ def sync_runs(env, tmp_path_factory):
   run.wait()
   resumed = Run(env, killed, *flags)
   reference = Run(env, ref, *flags)
-  return reference, _finish(reference), resumed, _finish(resumed)
+  _finish(reference)
+  _finish(resumed)
+
+
+@pytest.fixture(scope="module")
+def sync_runs(env, tmp_path_factory):
+  """An uninterrupted sync run, and one SIGKILLed after step 2 and resumed; both filter
+  zero-variance groups (the untrained model's groups are mostly uniform).
+
+  Under pytest-xdist the module's tests may land on both workers: the first worker to
+  get here makes the runs in the session's shared base directory (the workers' bases'
+  parent) under a file lock, and every worker tests its own copy (the tests start runs
+  in these workdirs, which a run locks)."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent
+  shared = base / "resume_sync_runs"
+  with open(base / "resume_sync_runs.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (shared / "done").exists():
+      shutil.rmtree(shared, ignore_errors=True)
+      _sync_runs(env, shared)
+      (shared / "done").touch()
+  mine = tmp_path_factory.mktemp("sync")
+  shutil.copytree(shared, mine, dirs_exist_ok=True)
+  reference = Run.finished(str(mine / "uninterrupted"), 0)
+  resumed = Run.finished(str(mine / "killed"), 1)
+  return reference, _summary(reference), resumed, _summary(resumed)
 
 
 def test_sync_resume_after_sigkill_is_bitwise_identical(sync_runs):
