@@ -64,7 +64,7 @@ class Programs:
       self._raise_failures()
       if key in self._ready or key in self._futures:
         return
-      specs = abstract(args)
+      specs = abstract(args)  # only for a key not yet compiling
       self._futures[key] = self._executor.submit(self._compile, key, jitted, specs)
 
   def compile_now(self, key: Hashable, jitted, args) -> Callable:
@@ -120,7 +120,7 @@ def generate_cover(ready: Sequence, *, num_slots: int, num_pages: int, lane: int
   for key in ready:
     if len(key) != 6 or key[2] or not key[3]:
       continue  # prefill keys, ragged-attention and unfused programs
-    k, w, _, fused, trunc, lane_k = key
+    k, w, _, _, trunc, lane_k = key
     if k < num_slots or w < num_pages or trunc != truncate or lane_k < lane:
       continue
     cost = (k * w, lane_k)
