@@ -97,10 +97,16 @@ def test_a_failed_background_compile_is_raised_on_the_callers_thread():
   assert isinstance(info.value.__cause__, ValueError)
 
 
-def _sample(engine, params, executor=None):
+def _sample(engine, params, executor=None, covers=False):
   """Rollouts of three waves of groups of different sizes (new slot, page-width, lane and
-  prefill buckets each wave), finishing the background compiles after the first."""
+  prefill buckets each wave), finishing the background compiles after the first (never,
+  with `covers`: the generator compiles its covering programs first)."""
   gen = G.Generator(engine, params, sampling=SAMPLING)
+  if covers:
+    lane = engine.prefill_lane
+    assert gen.compile_covers() == [(8, engine.pages_per_seq, 0, 2, False, lane),
+                                    ("prefill", 8, engine.prefill_buckets[-1])]
+    assert gen.compile_covers() == []  # once
   rng = np.random.default_rng(0)
   out = []
   for wave, (groups, size) in enumerate([(1, 2), (3, 2), (2, 4)]):
@@ -111,15 +117,29 @@ def _sample(engine, params, executor=None):
       if not gen.num_active and not gen.num_pending:
         break
       out.extend(gen.step())
-    if executor is not None and wave == 1:
+    if executor is not None and wave == 1 and not covers:
       executor.run_all()
   return sorted(out, key=lambda r: (r.group_id, r.sample_index))
 
 
-def test_background_compiles_sample_what_inline_compiles_sample():
+@pytest.fixture(scope="module")
+def inline_rollouts():
   params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
                         model.init_params(CFG, jax.random.key(1)))
-  inline = _sample(make_engine(), params)
+  return params, _sample(make_engine(), params)
+
+
+def _assert_same_rollouts(got, want):
+  assert [(r.group_id, r.sample_index) for r in got] == [
+      (r.group_id, r.sample_index) for r in want]
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+    np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, atol=1e-5)
+    assert a.finish_reason == b.finish_reason
+
+
+def test_background_compiles_sample_what_inline_compiles_sample(inline_rollouts):
+  params, inline = inline_rollouts
   executor = ManualExecutor()
   engine = make_engine(executor)
   covered = _sample(engine, params, executor)
@@ -128,12 +148,18 @@ def test_background_compiles_sample_what_inline_compiles_sample():
   # programs while theirs waited on the executor, which then compiled them.
   assert progs.compiled_inline >= 1 and progs.covered_calls >= 1
   assert progs.compiled_background >= 1
-  assert [(r.group_id, r.sample_index) for r in covered] == [
-      (r.group_id, r.sample_index) for r in inline]
-  for a, b in zip(covered, inline):
-    np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
-    np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, atol=1e-5)
-    assert a.finish_reason == b.finish_reason
+  _assert_same_rollouts(covered, inline)
+
+
+def test_compiled_covers_serve_every_call_with_no_compile_in_the_run(inline_rollouts):
+  params, inline = inline_rollouts
+  executor = ManualExecutor()  # never runs: only the covers exist
+  engine = make_engine(executor)
+  covered = _sample(engine, params, executor, covers=True)
+  progs = engine.programs
+  assert (progs.compiled_ahead, progs.compiled_inline, progs.compiled_background) == (2, 0, 0)
+  assert progs.covered_calls >= 3 and executor.jobs  # the calls' own buckets wait
+  _assert_same_rollouts(covered, inline)
 
 
 def test_covered_prefill_writes_the_pages_an_exact_prefill_writes():

@@ -263,6 +263,9 @@ class Pipeline:
     if resumed is None:
       warmstart.run(self)
     self._publish_first()
+    # Background compiles: the programs covering every sampler call compile before the
+    # clock starts, so no call of the run waits for one (programs.compile_covers).
+    self.worker.generator.compile_covers()
     if resumed is None:
       self.heldout_initial = self.evaluate()
       self.console.message(f"{self.cfg.rl.mode} GRPO: held-out reward at start "
@@ -342,7 +345,8 @@ class Pipeline:
     summary.update(self.trainer.attention.record())
     programs = getattr(self.engine, "programs", None)
     if programs is not None:
-      summary.update(sampler_programs_compiled_inline=programs.compiled_inline,
+      summary.update(sampler_programs_compiled_ahead=programs.compiled_ahead,
+                     sampler_programs_compiled_inline=programs.compiled_inline,
                      sampler_programs_compiled_background=programs.compiled_background,
                      sampler_calls_covered=programs.covered_calls)
     summary.update(self.control.summary() if self.control is not None else {})

@@ -66,6 +66,7 @@ import numpy as np
 from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import paging
+from rl_jax.sampler import programs as programs_lib
 from rl_jax.sampler import turns as turns_lib
 from rl_jax.sampler import updates
 from rl_jax.sampler.sequences import GroupState, InflightCall, SeqState
@@ -121,6 +122,19 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
     self.slot_steps = 0  # decode steps dispatched: slots a call covers x its steps
     self.busy_s = 0.0
     self._init_turns()
+
+  def compile_covers(self) -> list:
+    """Under Engine.compile_in_background (not ragged attention): compile now the
+    programs that cover every later call of this generator's sampling
+    (programs.compile_covers), so that none of its calls waits for a compile; the keys
+    compiled ([] when compiles are inline or already done)."""
+    eng = self.engine
+    if eng.programs is None or eng.attention == "ragged":
+      return []
+    s = self.sampling
+    truncate = eng.truncate or (s.temperature > 0 and (s.top_k > 0 or s.top_p < 1))
+    return programs_lib.compile_covers(eng, eng.sampler_params(self._params), self._state,
+                                       truncate=truncate)
 
   @property
   def version(self) -> int:

@@ -46,6 +46,7 @@ class Programs:
     self._ready: dict[Hashable, Callable] = {}
     self._futures: dict[Hashable, concurrent.futures.Future] = {}
     self.compiled_inline = 0  # compiles that stalled the caller (nothing covered)
+    self.compiled_ahead = 0  # compile_covers, before the run's clock starts
     self.compiled_background = 0
     self.covered_calls = 0  # calls that ran a covering program
 
@@ -67,8 +68,9 @@ class Programs:
       specs = abstract(args)  # only for a key not yet compiling
       self._futures[key] = self._executor.submit(self._compile, key, jitted, specs)
 
-  def compile_now(self, key: Hashable, jitted, args) -> Callable:
-    """The program of `key`, compiled here if no compile of it is under way."""
+  def compile_now(self, key: Hashable, jitted, args, *, ahead: bool = False) -> Callable:
+    """The program of `key`, compiled here if no compile of it is under way (counted
+    in compiled_ahead when `ahead`, else in compiled_inline)."""
     with self._lock:
       future = self._futures.get(key)
       if future is None and key not in self._ready:
@@ -87,7 +89,10 @@ class Programs:
         raise
       with self._lock:
         self._ready[key] = program
-        self.compiled_inline += 1
+        if ahead:
+          self.compiled_ahead += 1
+        else:
+          self.compiled_inline += 1
         del self._futures[key]
       future.set_result(None)
     elif future is not None:
@@ -107,6 +112,34 @@ class Programs:
       if future.done() and future.exception() is not None:
         del self._futures[key]
         raise RuntimeError(f"compiling the sampler program {key} failed") from future.exception()
+
+
+def compile_covers(engine, params, decode_state, *, truncate: bool) -> list:
+  """Compile, on the caller's thread, the programs that cover every later call of the
+  sampling variant `truncate` (engine.programs must be set): the fused generate over all
+  slots and page columns with the whole prefill lane (generate_cover takes it for any
+  call), and the batched prefill of the fused layout's rows (to a power of two) at the
+  longest prompt bucket (prefill_plan runs any prefill on it, in several calls when
+  longer). Before a run's clock starts, so no call of the run waits for a compile: the
+  other buckets compile in the background while these serve. `params` as the engine's
+  programs take them (Engine.sampler_params). Returns the keys compiled."""
+  progs = engine.programs
+  slots, lane = engine.max_concurrent_decodes, engine.prefill_lane
+  gen_key = (slots, engine.pages_per_seq, 0, 2, bool(truncate), lane)
+  jitted = engine.generate_program(slots, engine.pages_per_seq, fused=2, truncate=truncate,
+                                   lane=lane)
+  upd_v = engine.fused_layout._replace(lane=lane).empty()
+  n = 1 << (engine.fused_layout.rows - 1).bit_length()
+  t = engine.prefill_buckets[-1]
+  pre_key = ("prefill", n, t)
+  pre_args = (params, decode_state) + engine.prefill_arrays([], [], n, t)
+  done = []
+  for key, program, args in ((gen_key, jitted, (params, decode_state, upd_v)),
+                             (pre_key, engine.prefill_pages_program, pre_args)):
+    if progs.lookup(key) is None:
+      progs.compile_now(key, program, args, ahead=True)
+      done.append(key)
+  return done
 
 
 def generate_cover(ready: Sequence, *, num_slots: int, num_pages: int, lane: int,
