@@ -2,6 +2,7 @@
 decisions within the config's limits and the staleness rule, the refit shared with
 plan.py, the window-ahead check, advice printed once per change, sync untouched."""
 import collections
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -143,13 +144,51 @@ class _Generator:
     self.slot_limit = slots
 
 
-def _controller(cfg, counts=None):
+class _Inline:
+  """Runs each window's computation at submit: the controller as a synchronous one."""
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+
+class _Held:
+  """Holds each window's computation back until release()."""
+
+  def __init__(self):
+    self.jobs = []
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    self.jobs.append((future, fn, args))
+    return future
+
+  def release(self):
+    for future, fn, args in self.jobs:
+      future.set_result(fn(*args))
+    self.jobs = []
+
+
+class _Recorded:
+  """A real executor whose futures are kept, to wait for them."""
+
+  def __init__(self, pool):
+    self.pool, self.futures = pool, []
+
+  def submit(self, fn, *args):
+    self.futures.append(self.pool.submit(fn, *args))
+    return self.futures[-1]
+
+
+def _controller(cfg, counts=None, executor=None):
   pol = StalenessPolicy.from_config(cfg.rl)
   acc = types.SimpleNamespace(counts=collections.Counter(counts or {}),
                               sampler_busy=BusyTimer(), trainer_busy=BusyTimer())
   worker = types.SimpleNamespace(generator=_Generator())
   return control.Controller(cfg, policy=pol, queue=RolloutQueue(pol), worker=worker,
-                            accounting=acc, console=_Console())
+                            accounting=acc, console=_Console(),
+                            executor=executor or _Inline())
 
 
 def test_controller_applies_decisions_and_checks_them_a_window_ahead():
