@@ -22,14 +22,16 @@ control_advice), and starts the next window at that step. One computation is in 
 at most: no window is measured while one is (its rows ran under the old decision), so a
 window end cannot find one running. control/seconds is the computation's own time, off
 the trainer thread; control/apply_lag_steps the steps from the window's end to the
-application (0 when the work was done before the window's own row was written).
+application (0 when the work was done before the window's own row was written). A
+computation still in flight when the run ends is not applied (summary.json: skipped,
+"the run ended first").
 
 Active when rl.control is "admission", or "auto" in async mode, with one process. Sync
 mode admits one batch per step at its barrier, so the controller never acts there and a
 sync run stays reproducible bit for bit; a multi-process run keeps its settings (the
 followers replay the leader's admissions, not its slot limit).
-A window whose refit fails (e.g. no trainer time in it; any other error in the refit,
-the decision or the advice is logged with its traceback), or that held a stall (a step
+A window whose refit fails (e.g. no trainer time in it; any other error in the
+window's computation is logged with its traceback, from the executor's thread), or that held a stall (a step
 taking over STALL x the window's median step time: an XLA compilation of a new shape,
 minutes on a loaded CPU), keeps the settings and makes no prediction; noted once.
 """
