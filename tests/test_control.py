@@ -253,7 +253,9 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   cfg = _cfg()
   ex = _Held()
   ctl = _controller(cfg, executor=ex)
-  rows = _rows(cfg, _profile(train_fixed_s=1e-3, decode_step_s=2e-3), 37)
+  prof = _profile(train_fixed_s=1e-3, decode_step_s=2e-3)
+  prof.weight_sync_s = 0.05  # publishing every step is slow: advice to restart
+  rows = _rows(cfg, prof, 37)
   step = {r["step"]: dict(r) for r in rows}
 
   def feed(a, b):  # as the loop does: the row gets the control/* metrics after the call
@@ -272,12 +274,15 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   assert all(set(o) == {"control/admission_bound", "control/decode_slots"} for o in out)
   assert ctl.summary()["control_decisions"] == [{"step": 11, "skipped": "the run ended first"}]
   ex.release()
+  assert ctl.console.lines == [] and ctl.decisions == []  # applied by the trainer thread
   (applied,) = feed(26, 26)
   assert applied["control/apply_lag_steps"] == 15
+  assert [a["step"] for a in ctl.advice] == [11] and len(ctl.console.lines) == 1
   # The same decision as a controller that computed the window at once.
   ref = _controller(cfg)
   ref_out = [ref.after_row(r["step"], r) for r in rows[:11]]
   assert ctl.decisions == [dict(ref.decisions[0], applied_step=26)]
+  assert ctl.advice == ref.advice and ctl.console.lines == ref.console.lines
   assert ctl.queue.limit == ctl.bound == ref.bound
   assert ctl.worker.generator.slot_limit == ctl.slots == ref.slots
   assert ({k: v for k, v in applied.items() if k not in ("control/seconds",
