@@ -44,12 +44,14 @@ Names are flat and prefixed by area, following the seed's monitoring table:
   control/*      live capacity control (rl.control, rl_jax/orchestration/control.py):
                  admission_bound (groups that may be admitted ahead of the trainer: in
                  flight + queued + held) and decode_slots (slots the sampler may use) in
-                 force after the step, every row; at the end of each window (every
-                 rl.control_every steps) the next window's predicted_steps_per_hour,
-                 predicted_queue_depth, predicted_staleness, predicted_discard_rate, the
-                 window's measured_steps_per_hour, simulations run and seconds spent
-                 controlling (pipeline time), and the window-ahead check of the previous
-                 window's prediction against this window's measurement:
+                 force after the step, every row; on the row that applies a window's
+                 computation (rl.control_every steps after the previous application,
+                 plus apply_lag_steps: the steps the background computation took) the
+                 next window's predicted_steps_per_hour, predicted_queue_depth,
+                 predicted_staleness, predicted_discard_rate, the window's
+                 measured_steps_per_hour, simulations run and seconds spent computing
+                 (off the trainer thread), and the window-ahead check of the window's
+                 prediction against its measurement:
                  steps_per_hour_error, queue_depth_error, staleness_error =
                  (predicted - measured) / measured (queue depth, staleness: / max(measured, 1))
   env/*          tool use (tasks with an environment): turns_mean, tool_calls_mean and

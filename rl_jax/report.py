@@ -316,7 +316,7 @@ def _control_figure(plt, runs):
       t, v = _series(rows, key)
       axes[0].step(t, v, style, where="post", color=f"C{i}",
                    label=f"{name} {key.split('/')[1]}")
-    # Each window's prediction is for the next window: drawn at the next window's end.
+    # Each prediction is for the next window: drawn with that window's measurement.
     t, pred = _series(rows, "control/predicted_steps_per_hour")
     tm, meas = _series(rows, "control/measured_steps_per_hour")
     axes[1].plot(tm, meas, "o-", color=f"C{i}", label=f"{name} measured")

@@ -2,6 +2,7 @@
 decisions within the config's limits and the staleness rule, the refit shared with
 plan.py, the window-ahead check, advice printed once per change, sync untouched."""
 import collections
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -143,13 +144,51 @@ class _Generator:
     self.slot_limit = slots
 
 
-def _controller(cfg, counts=None):
+class _Inline:
+  """Runs each window's computation at submit: the controller as a synchronous one."""
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+
+class _Held:
+  """Holds each window's computation back until release()."""
+
+  def __init__(self):
+    self.jobs = []
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    self.jobs.append((future, fn, args))
+    return future
+
+  def release(self):
+    for future, fn, args in self.jobs:
+      future.set_result(fn(*args))
+    self.jobs = []
+
+
+class _Recorded:
+  """A real executor whose futures are kept, to wait for them."""
+
+  def __init__(self, pool):
+    self.pool, self.futures = pool, []
+
+  def submit(self, fn, *args):
+    self.futures.append(self.pool.submit(fn, *args))
+    return self.futures[-1]
+
+
+def _controller(cfg, counts=None, executor=None):
   pol = StalenessPolicy.from_config(cfg.rl)
   acc = types.SimpleNamespace(counts=collections.Counter(counts or {}),
                               sampler_busy=BusyTimer(), trainer_busy=BusyTimer())
   worker = types.SimpleNamespace(generator=_Generator())
   return control.Controller(cfg, policy=pol, queue=RolloutQueue(pol), worker=worker,
-                            accounting=acc, console=_Console())
+                            accounting=acc, console=_Console(),
+                            executor=executor or _Inline())
 
 
 def test_controller_applies_decisions_and_checks_them_a_window_ahead():
@@ -176,6 +215,95 @@ def test_controller_applies_decisions_and_checks_them_a_window_ahead():
   assert (ctl.bound, ctl.slots) == (24, 64)
   ctl._apply(live.Decision(admission_bound=0, decode_slots=1, predicted={}, simulations=0))
   assert (ctl.bound, ctl.slots) == (8, cfg.rl.group_size)
+
+
+def test_an_inline_executor_decides_as_the_synchronous_controller():
+  """Step-by-step recompute of the two windows' decision and check."""
+  cfg = _cfg()
+  ctl = _controller(cfg)
+  rows = _rows(cfg, _profile(train_fixed_s=1e-3, decode_step_s=2e-3), 21)
+  out = [ctl.after_row(r["step"], r) for r in rows]
+  counts = {k: 0 for k in live.FILTER_COUNTS}
+  counts["timeline"] = {"sampler": [], "trainer": []}
+  first = live.decide(cfg, capacity.refit(live.window_pilot(cfg, rows[:11], counts)),
+                      ctl.policy, window_steps=10)
+  p = first.predicted
+  assert {k: v for k, v in out[10].items() if k != "control/seconds"} == {
+      "control/admission_bound": ctl.policy.clamp(first.admission_bound),
+      "control/decode_slots": first.decode_slots, "control/apply_lag_steps": 0,
+      "control/predicted_steps_per_hour": p["steps_per_hour"],
+      "control/predicted_queue_depth": p["queue_depth_mean"],
+      "control/predicted_staleness": p["staleness_mean"],
+      "control/predicted_discard_rate": p["discard_rate"],
+      "control/measured_steps_per_hour":
+          profile_lib.steady_state(rows[:11], skip_frac=0.0)["steps_per_hour"],
+      "control/simulations": first.simulations}
+  assert out[10]["control/seconds"] > 0
+  err = live.errors(p, profile_lib.steady_state(rows[10:21], skip_frac=0.0))
+  assert (out[20]["control/steps_per_hour_error"], out[20]["control/queue_depth_error"],
+          out[20]["control/staleness_error"]) == (err["steps_per_hour"],
+                                                  err["queue_depth_mean"],
+                                                  err["staleness_mean"])
+  assert all(set(o) == {"control/admission_bound", "control/decode_slots"}
+             for i, o in enumerate(out) if i not in (10, 20))
+  assert [(d["step"], d["applied_step"]) for d in ctl.decisions] == [(11, 11), (21, 21)]
+
+
+def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
+  cfg = _cfg()
+  ex = _Held()
+  ctl = _controller(cfg, executor=ex)
+  prof = _profile(train_fixed_s=1e-3, decode_step_s=2e-3)
+  prof.weight_sync_s = 0.05  # publishing every step is slow: advice to restart
+  rows = _rows(cfg, prof, 37)
+  step = {r["step"]: dict(r) for r in rows}
+
+  def feed(a, b):  # as the loop does: the row gets the control/* metrics after the call
+    out = []
+    for s in range(a, b + 1):
+      ctl.acc.counts[live.FILTER_COUNTS[1]] += 2
+      out.append(ctl.after_row(s, step[s]))
+      step[s].update(out[-1])
+    return out
+
+  out = feed(1, 25)
+  # The first window ends at step 11; while its computation is held no other window
+  # is measured (step 21 would have ended one), and the config's settings stay.
+  assert len(ex.jobs) == 1 and ex.jobs[0][2][0] == 11
+  assert [o["control/admission_bound"] for o in out] == [24] * 25
+  assert all(set(o) == {"control/admission_bound", "control/decode_slots"} for o in out)
+  assert ctl.summary()["control_decisions"] == [{"step": 11, "skipped": "the run ended first"}]
+  ex.release()
+  assert ctl.console.lines == [] and ctl.decisions == []  # applied by the trainer thread
+  (applied,) = feed(26, 26)
+  assert applied["control/apply_lag_steps"] == 15
+  assert [a["step"] for a in ctl.advice] == [11] and len(ctl.console.lines) == 1
+  # The same decision as a controller that computed the window at once.
+  ref = _controller(cfg)
+  ref_out = [ref.after_row(r["step"], r) for r in rows[:11]]
+  assert ctl.decisions == [dict(ref.decisions[0], applied_step=26)]
+  assert ctl.advice == ref.advice and ctl.console.lines == ref.console.lines
+  assert ctl.queue.limit == ctl.bound == ref.bound
+  assert ctl.worker.generator.slot_limit == ctl.slots == ref.slots
+  assert ({k: v for k, v in applied.items() if k not in ("control/seconds",
+                                                          "control/apply_lag_steps")} ==
+          {k: v for k, v in ref_out[10].items() if k not in ("control/seconds",
+                                                            "control/apply_lag_steps")})
+  # The next window is measured from the application: steps 27..36 after row 26.
+  feed(27, 35)
+  assert ex.jobs == []
+  feed(36, 36)
+  ((_, _, (end, win, counts, predicted)),) = ex.jobs
+  assert end == 36 and [r["step"] for r in win] == list(range(26, 37))
+  assert win[-1] == rows[35]  # the window's rows as they were at its end
+  assert counts[live.FILTER_COUNTS[1]] == 2 * 10
+  assert {k: predicted[k] for k in ref.decisions[0]["predicted"]} == ref.decisions[0]["predicted"]
+  ex.release()
+  (checked,) = feed(37, 37)
+  err = live.errors(predicted, profile_lib.steady_state(rows[25:36], skip_frac=0.0))
+  assert checked["control/apply_lag_steps"] == 1
+  assert checked["control/steps_per_hour_error"] == err["steps_per_hour"]
+  assert [(d["step"], d["applied_step"]) for d in ctl.decisions] == [(11, 26), (36, 37)]
 
 
 def test_advice_is_printed_once_per_change():
@@ -248,19 +376,35 @@ def test_busy_timer_keeps_the_latest_intervals():
   assert t.recent(10, since=n - 1.6) == [(n - 2.0, n - 1.5), (n - 1.0, n - 0.5)]
 
 
-def test_an_error_inside_a_window_keeps_the_settings_and_the_run(monkeypatch):
+def test_an_error_inside_the_background_computation_is_logged_and_the_run_goes_on(
+    monkeypatch, caplog):
   cfg = _cfg()
-  ctl = _controller(cfg)
-  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 12)
+  pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="control")
+  ex = _Recorded(pool)
+  ctl = _controller(cfg, executor=ex)
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 14)
 
   def broken(pilot):
     raise KeyError("sampler/decode_s")
 
   monkeypatch.setattr(capacity, "refit", broken)
-  out = [ctl.after_row(r["step"], r) for r in rows]
-  assert out[-1]["control/admission_bound"] == 24 and ctl.worker.generator.slot_limit == 64
+  try:
+    out = [ctl.after_row(r["step"], r) for r in rows[:11]]  # the window ends at step 11
+    assert len(ex.futures) == 1 and "control/seconds" not in out[-1]
+    ex.futures[0].result()  # done on the pool's thread, not raised
+    out += [ctl.after_row(r["step"], r) for r in rows[11:]]
+  finally:
+    pool.shutdown(wait=True)
+  assert [r.threadName for r in caplog.records if r.exc_info] == ["control_0"]
+  (record,) = [r for r in caplog.records if r.exc_info]
+  assert record.exc_info[0] is KeyError and "window ending at step 11" in record.getMessage()
+  assert out[11]["control/apply_lag_steps"] == 1 and "control/seconds" in out[11]
   assert "controller error (KeyError" in ctl.decisions[-1]["skipped"]
+  assert ctl.decisions[-1]["applied_step"] == 12
   assert ctl.console.lines[-1].endswith("(noted once per run)")
+  # The rows go on with the settings kept.
+  assert [o["control/admission_bound"] for o in out] == [24] * 14
+  assert ctl.worker.generator.slot_limit == 64
 
 
 def test_the_first_window_counts_only_its_own_filtered_groups(monkeypatch):

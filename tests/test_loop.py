@@ -3,6 +3,7 @@ import json
 import os
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -43,10 +44,12 @@ def kv_bytes_per_device(pipe) -> int:
   return max(per.values())
 
 
-def run_pipeline(cfg, workdir, on_evaluate=None):
+def run_pipeline(cfg, workdir, on_evaluate=None, before_run=None):
   """Runs the pipeline, capturing every rollout; on_evaluate(pipe) runs after each
-  held-out generation, still inside the evaluation."""
+  held-out generation, still inside the evaluation; before_run(pipe) before the run."""
   pipe = loop.Pipeline(cfg, str(workdir))
+  if before_run is not None:
+    before_run(pipe)
   if on_evaluate is not None:
     generate = pipe.heldout.generate
     pipe.heldout.generate = lambda gen: (generate(gen), on_evaluate(pipe))[0]
@@ -115,9 +118,26 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
                  "--config.rl.inflight_weight_updates=true", "--config.rl.control=admission",
                  "--config.rl.control_every=3")
-  kv_bytes = []
+  kv_bytes, threads, pools = [], [], []
+
+  def awaited(pipe):
+    # Each window's computation runs on the loop's control thread and is waited for at
+    # submit: applied at its window's end whatever the load (tests/test_control.py
+    # covers a late application).
+    pools.append(pipe.control.executor)
+
+    def submit(fn, *args):
+      def run():
+        threads.append(threading.current_thread().name)
+        return fn(*args)
+      future = pools[0].submit(run)
+      future.result()
+      return future
+    pipe.control.executor = types.SimpleNamespace(submit=submit)
+
   pipe, summary, rollouts = run_pipeline(
-      cfg, tmp_path, on_evaluate=lambda p: kv_bytes.append(kv_bytes_per_device(p)))
+      cfg, tmp_path, on_evaluate=lambda p: kv_bytes.append(kv_bytes_per_device(p)),
+      before_run=awaited)
   check_common(pipe, summary, rollouts, tmp_path, max_staleness=1)
   # Issue 29: the held-out evaluator borrows the sampler's pool (no second pool), so the
   # sampler devices hold at most sampler.kv_cache_bytes of KV while it evaluates.
@@ -128,12 +148,16 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
   # after the first), within the staleness rule's range; its settings are on every row.
   lo, hi = pipe.policy.admission_range()
   decisions = summary["control_decisions"]
-  assert [d["step"] for d in decisions] == [4]
+  assert [(d["step"], d["applied_step"]) for d in decisions] == [(4, 4)]
+  assert threads == ["control_0"]
+  with pytest.raises(RuntimeError):  # run() shut the loop's control executor down
+    pools[0].submit(int)
   assert all(lo <= d["admission_bound"] <= hi for d in decisions)
   assert pipe.queue.limit == decisions[-1]["admission_bound"]
   assert pipe.worker.generator.slot_limit == decisions[-1]["decode_slots"]
   rows = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
   assert all("control/admission_bound" in r for r in rows if "optim/loss" in r)
+  assert [r["control/apply_lag_steps"] for r in rows if "control/apply_lag_steps" in r] == [0]
   assert summary["mode"] == "async"
   # in-flight weight updates: some completions span a publication, and every segment's
   # version was published before the completion finished

@@ -1,28 +1,37 @@
 """Live capacity control (rl.control): the capacity planner inside the run.
 
-Every rl.control_every optimizer steps (a window; the first starts after the run's first
-logged step, which holds the compilations), on the trainer thread right after the
-step's metrics row, `Controller.after_row`:
-  1. measures the window: its metrics rows (with the row before it) and the increase of
-     the filter-rate counters, and the sampler/trainer busy intervals;
-  2. checks the previous window's prediction against this measurement
+A window is rl.control_every optimizer steps; the first starts after the run's first
+logged step (which holds the compilations), each later one at the step its predecessor's
+decision was applied, so that a window is measured under the decision made for it.
+`Controller.after_row` runs on the trainer thread after each step's metrics row; at a
+window's end it only takes the window's measurement (its metrics rows with the row
+before it, the increase of the filter-rate counters, the sampler/trainer busy
+intervals) and submits the work to the loop's background executor (one worker), which:
+  1. checks the window's prediction against this measurement
      (rl_jax.planner.live.errors -> control/*_error);
-  3. refits the planner's models from the window with rl_jax.planner.capacity.refit, the
+  2. refits the planner's models from the window with rl_jax.planner.capacity.refit, the
      fit plan.py --profile / --validate use;
-  4. decides the next window's admission bound and decode slots (planner.live.decide)
-     and applies them: RolloutQueue.set_limit (StalenessPolicy clamps it into its
-     admission_range, never above the staleness rule) and Generator.slot_limit;
-  5. advises what only a restart can change (planner.live.advise; another split must fit
-     the memory the run's devices report, device_memory_gib): each distinct advice
-     is printed once, as --config overrides, and kept for summary.json (control_advice).
-The controller's own seconds are pipeline time (the trainer waits for it): control/seconds.
+  3. decides the next window's admission bound and decode slots (planner.live.decide);
+  4. advises what only a restart can change (planner.live.advise; another split must fit
+     the memory the run's devices report, device_memory_gib).
+The first after_row that finds the work done applies it on the trainer thread:
+RolloutQueue.set_limit (StalenessPolicy clamps it into its admission_range, never above
+the staleness rule) and Generator.slot_limit; it writes the control/* metrics on that
+row, prints each distinct advice once as --config overrides (kept for summary.json,
+control_advice), and starts the next window at that step. One computation is in flight
+at most: no window is measured while one is (its rows ran under the old decision), so a
+window end cannot find one running. control/seconds is the computation's own time, off
+the trainer thread; control/apply_lag_steps the steps from the window's end to the
+application (0 when the work was done before the window's own row was written). A
+computation still in flight when the run ends is not applied (summary.json: skipped,
+"the run ended first").
 
 Active when rl.control is "admission", or "auto" in async mode, with one process. Sync
 mode admits one batch per step at its barrier, so the controller never acts there and a
 sync run stays reproducible bit for bit; a multi-process run keeps its settings (the
 followers replay the leader's admissions, not its slot limit).
-A window whose refit fails (e.g. no trainer time in it; any other error in the refit,
-the decision or the advice is logged with its traceback), or that held a stall (a step
+A window whose refit fails (e.g. no trainer time in it; any other error in the
+window's computation is logged with its traceback, from the executor's thread), or that held a stall (a step
 taking over STALL x the window's median step time: an XLA compilation of a new shape,
 minutes on a loaded CPU), keeps the settings and makes no prediction; noted once.
 """
@@ -78,11 +87,14 @@ def stalled(rows: list[dict]) -> float:
 
 
 class Controller:
-  """Owns the window's rows and the decisions; called by the trainer thread only."""
+  """Owns the window's rows and the decisions; called by the trainer thread only. Its
+  `executor` (concurrent.futures.Executor-like: submit(fn, *args) -> Future) runs each
+  window's computation, which reads only the controller's fixed fields."""
 
-  def __init__(self, cfg, *, policy, queue, worker, accounting, console):
+  def __init__(self, cfg, *, policy, queue, worker, accounting, console, executor):
     self.cfg, self.policy, self.queue = cfg, policy, queue
     self.worker, self.acc, self.console = worker, accounting, console
+    self.executor = executor
     self.every = int(cfg.rl.control_every)
     self.bound = policy.max_inflight
     self.slots = int(cfg.sampler.max_concurrent_decodes)
@@ -90,6 +102,7 @@ class Controller:
     self._rows: list[dict] = []  # the row before the window, then the window's rows
     self._start: int | None = None  # the step the window starts after
     self._counts: dict[str, int] = collections.Counter()
+    self._pending = None  # (the window's end step, the Future of its computation)
     self._predicted: dict | None = None
     self._advised: set[tuple] = set()  # override sets already printed
     self._noted = False
@@ -98,63 +111,89 @@ class Controller:
 
   def after_row(self, step: int, row: dict) -> dict:
     """The control/* metrics of the row after optimizer step `step`; at the end of a
-    window, after deciding the next one."""
-    self._rows.append(row)
-    if self._start is None:  # the run's first row is the row before the first window
-      from rl_jax.planner import live
-      self._start = step
-      # Counters restored by a resume are not the first window's.
-      self._counts = {k: self.acc.counts[k] for k in live.FILTER_COUNTS}
+    window it submits the window's computation, and on the first row that finds one
+    done it applies it and starts the next window."""
     out = {}
-    # A refit needs 3 rows after the one before the window (fit_sampler_direct).
-    if step - self._start >= self.every and len(self._rows) >= 4:
-      self._start = step
-      t0 = time.perf_counter()
-      out.update(self._window(step))
-      out["control/seconds"] = time.perf_counter() - t0
+    if self._start is None:  # the run's first row is the row before the first window
+      self._begin(step, row)
+    elif self._pending is None:
+      self._rows.append(row)
+      # A refit needs 3 rows after the one before the window (fit_sampler_direct).
+      if step - self._start >= self.every and len(self._rows) >= 4:
+        self._submit(step)
+    if self._pending is not None and self._pending[1].done():
+      end, future = self._pending
+      out.update(self._take(end, step, future.result()))
+      self._begin(step, row)
     out["control/admission_bound"] = self.bound
     out["control/decode_slots"] = self.slots
     return out
 
-  def _window(self, step: int) -> dict:
-    from rl_jax.planner import capacity, live, profile as profile_lib
-    rows, self._rows = self._rows, self._rows[-1:]
-    counts = {k: self.acc.counts[k] - self._counts[k] for k in live.FILTER_COUNTS}
+  def _begin(self, step: int, row: dict) -> None:
+    from rl_jax.planner import live
+    self._start, self._rows, self._pending = step, [row], None
+    # Counters restored by a resume are not the first window's.
     self._counts = {k: self.acc.counts[k] for k in live.FILTER_COUNTS}
+
+  def _submit(self, step: int) -> None:
+    """The window's measurement, taken now; its computation goes to the executor."""
+    from rl_jax.planner import live
+    rows = [dict(r) for r in self._rows]  # the loop adds control/* to the last row after
+    counts = {k: self.acc.counts[k] - self._counts[k] for k in live.FILTER_COUNTS}
     start = rows[0]["time_s"]
     counts["timeline"] = {"sampler": self.acc.sampler_busy.recent(5000, since=start),
                           "trainer": self.acc.trainer_busy.recent(5000, since=start)}
-    out, entry = {}, {"step": step}
-    measured = profile_lib.steady_state(rows, skip_frac=0.0)
-    if self._predicted is not None:
-      err = live.errors(self._predicted, measured)
+    self._pending = (step, self.executor.submit(self._compute, step, rows, counts,
+                                                self._predicted))
+
+  def _compute(self, step: int, rows: list[dict], counts: dict, predicted) -> dict:
+    """On the executor's thread: the check of `predicted` against the window, the refit,
+    the decision and the advice; any error becomes "reason" (module docstring)."""
+    from rl_jax.planner import capacity, live, profile as profile_lib
+    t0 = time.perf_counter()
+    res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": ""}
+    try:
+      res["measured"] = measured = profile_lib.steady_state(rows, skip_frac=0.0)
+      if predicted is not None:
+        res["errors"] = live.errors(predicted, measured)
+      stall = stalled(rows)
+      if stall:
+        res["reason"] = f"a {stall:.0f}s step (an XLA compilation?)"
+      else:
+        profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
+        res["decision"] = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
+        res["advice"] = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3),
+                                    memory_gib=self.memory_gib)
+    except UserError as e:
+      res["reason"] = f"no refit: {e}"
+    except Exception as e:  # noqa: BLE001  (the controller only tunes: the run goes on)
+      res["reason"] = f"a controller error ({type(e).__name__}: {e})"
+      logging.exception("control: the window ending at step %d failed", step)
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+  def _take(self, end: int, step: int, res: dict) -> dict:
+    """Applies the computation of the window that ended at step `end`, at step `step`:
+    the row's control/* metrics."""
+    from rl_jax.planner import live
+    out = {"control/seconds": res["seconds"], "control/apply_lag_steps": step - end}
+    entry = {"step": end, "applied_step": step}
+    measured, err = res["measured"], res["errors"]
+    if err is not None:
       entry["errors"] = err
       entry["measured"] = {k: measured[k] for k in live.CHECKED}
       out.update({"control/steps_per_hour_error": err["steps_per_hour"],
                   "control/queue_depth_error": err["queue_depth_mean"],
                   "control/staleness_error": err["staleness_mean"]})
-    stall = stalled(rows)
-    reason = f"a {stall:.0f}s step (an XLA compilation?)" if stall else ""
-    if not reason:
-      try:
-        profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
-        decision = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
-        advice = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3),
-                             memory_gib=self.memory_gib)
-      except UserError as e:
-        reason = f"no refit: {e}"
-      except Exception as e:  # noqa: BLE001  (the controller only tunes: the run goes on)
-        reason = f"a controller error ({type(e).__name__}: {e})"
-        logging.exception("control: the window ending at step %d failed", step)
-    if reason:
-      self._note(f"control: the window ending at step {step} held {reason}; settings kept, "
-                 f"no prediction")
+    if res["reason"]:
+      self._note(f"control: the window ending at step {end} held {res['reason']}; settings "
+                 f"kept, no prediction")
       self._predicted = None
-      self.decisions.append({**entry, "skipped": reason})
+      self.decisions.append({**entry, "skipped": res["reason"]})
       return out
+    decision = res["decision"]
     self._apply(decision)
-    self._predicted = decision.predicted
-    p = decision.predicted
+    self._predicted = p = decision.predicted
     out.update({"control/predicted_steps_per_hour": p["steps_per_hour"],
                 "control/predicted_queue_depth": p["queue_depth_mean"],
                 "control/predicted_staleness": p["staleness_mean"],
@@ -164,7 +203,7 @@ class Controller:
     entry.update(admission_bound=self.bound, decode_slots=self.slots,
                  predicted={k: p[k] for k in (*live.CHECKED, "discard_rate")})
     self.decisions.append(entry)
-    self._advise(step, advice)
+    self._advise(end, res["advice"])
     return out
 
   def _apply(self, decision) -> None:
@@ -190,10 +229,13 @@ class Controller:
       self.console.message(text + " (noted once per run)")
 
   def summary(self) -> dict:
-    """control_decisions (windows without a decision have "skipped": why),
-    control_advice and control_error_mean (mean |relative error| of each checked
-    prediction) for summary.json."""
+    """control_decisions (the window's end "step" and the "applied_step"; windows
+    without a decision have "skipped": why, a window still in flight "the run ended
+    first"), control_advice and control_error_mean (mean |relative error| of each
+    checked prediction) for summary.json."""
     errs = [d["errors"] for d in self.decisions if "errors" in d]
     keys = errs[0].keys() if errs else ()
-    return {"control_decisions": self.decisions, "control_advice": self.advice,
+    unapplied = ([] if self._pending is None else
+                 [{"step": self._pending[0], "skipped": "the run ended first"}])
+    return {"control_decisions": self.decisions + unapplied, "control_advice": self.advice,
             "control_error_mean": {k: float(np.mean([abs(e[k]) for e in errs])) for k in keys}}

@@ -36,8 +36,8 @@ pool). Counters, the metrics row and summary.json: accounting.py. Checkpoints, r
 SIGTERM and failures: checkpointing.py. Supervised warm-up: warmstart.py.
 
 Live capacity control (rl.control, async): every rl.control_every steps the planner
-refits its models from the run's own rows and sets the admission bound and decode slots
-(control.py).
+refits its models from the run's own rows, on a background thread, and sets the admission
+bound and decode slots (control.py).
 
 Multi-process (jax.distributed): process 0 runs this pipeline and logs every piece of
 device work with its decisions before launching it; the other processes run no sampler
@@ -97,9 +97,13 @@ class Pipeline:
     self.queue = RolloutQueue(self.policy)
     self.writer = metrics_lib.MetricWriter(workdir, cfg.metrics.tensorboard, enabled=process0)
     self._make_workers()
-    self.control = control.Controller(
-        cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
-        console=self.console) if control.active(cfg, jax.process_count()) else None
+    self.control = self._controls = None
+    if control.active(cfg, jax.process_count()):
+      # The controller's refit, decision and advice run here, off the trainer thread.
+      self._controls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="control")
+      self.control = control.Controller(
+          cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
+          console=self.console, executor=self._controls)
     note = control.inactive_note(cfg, jax.process_count())
     if note:
       self.console.message(note)
@@ -216,6 +220,8 @@ class Pipeline:
       restore_sigterm()
       if self._compiler is not None:  # after the final evaluation, which may compile
         self._compiler.shutdown(wait=False, cancel_futures=True)
+      if self._controls is not None:
+        self._controls.shutdown(wait=False, cancel_futures=True)
       self.writer.close()  # also on failure: metrics.jsonl keeps what was written
       self.checkpoints.close(failing=sys.exc_info()[0] is not None)
 

@@ -8,8 +8,9 @@ configuration (capacity.scenario on its layout) from an empty pipeline for `warm
 window` steps, warm-up = max_staleness + 2 (the steps a pipeline takes to fill), and
 reads the steady state of the window (`profile.steady_state` of its rows), which is what
 the next window of the warm run measures. The simulations are the controller's cost
-(pipeline time: control/seconds), so they are few: 5 for a decision; for the advice,
-the configuration and each alternative over half a window.
+(control/seconds, on a background thread that shares the GIL with the pipeline's), so
+they are few: 5 for a decision; for the advice, the configuration and each alternative
+over half a window.
 
   decide   admission bounds b in admission_range() = [lo, hi] (StalenessPolicy: never
            above the staleness rule), up to 4 values evenly spaced, at every decode
