@@ -67,7 +67,8 @@ def get_config(arg=None):
   # rl_jax.sampler.engine.resolve_steps_per_call). Typed object so configs may set an int.
   c.sampler.steps_per_call = ml_collections.FieldReference("auto", field_type=object)
   # Where new program buckets compile: inline (the call waits) | background (a compiled
-  # program covering the call runs meanwhile; single-process async runs only) | auto:
+  # program covering the call runs meanwhile; single-process async runs only) | ahead
+  # (only the programs covering every call, before the run; single-process) | auto:
   # background in single-process async runs, else inline (sampler/programs.py).
   c.sampler.compile = "auto"
 

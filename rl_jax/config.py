@@ -433,7 +433,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "sampler.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "sampler.layers", ("auto", "unrolled", "scan"))
   _choice(cfg, "sampler.attention", ("auto", "jnp", "pallas_tpu", "pallas_gpu", "ragged"))
-  _choice(cfg, "sampler.compile", ("auto", "inline", "background"))
+  _choice(cfg, "sampler.compile", ("auto", "inline", "background", "ahead"))
   _require(cfg.sampler.compile != "background" or cfg.rl.mode == "async",
            "config field 'sampler.compile' may be 'background' only with rl.mode='async' "
            "(sync runs are reproducible bit for bit); got rl.mode='sync'")

@@ -151,14 +151,21 @@ def test_background_compiles_sample_what_inline_compiles_sample(inline_rollouts)
   _assert_same_rollouts(covered, inline)
 
 
-def test_compiled_covers_serve_every_call_with_no_compile_in_the_run(inline_rollouts):
+@pytest.mark.parametrize("where", ["background", "ahead"])
+def test_compiled_covers_serve_every_call_with_no_compile_in_the_run(inline_rollouts, where):
   params, inline = inline_rollouts
-  executor = ManualExecutor()  # never runs: only the covers exist
-  engine = make_engine(executor)
+  if where == "background":
+    executor = ManualExecutor()  # never runs: only the covers exist
+    engine = make_engine(executor)
+  else:  # sampler.compile="ahead": no executor, no other bucket ever compiles
+    executor, engine = None, make_engine()
+    engine.compile_covers_only()
   covered = _sample(engine, params, executor, covers=True)
   progs = engine.programs
   assert (progs.compiled_ahead, progs.compiled_inline, progs.compiled_background) == (2, 0, 0)
-  assert progs.covered_calls >= 3 and executor.jobs  # the calls' own buckets wait
+  assert progs.covered_calls >= 3
+  if executor is not None:
+    assert executor.jobs  # the calls' own buckets wait for the executor
   _assert_same_rollouts(covered, inline)
 
 
@@ -191,3 +198,13 @@ def test_where_the_sampler_compiles():
   cfg.rl.mode = "async"
   with pytest.raises(loop.RunError, match="single-process"):
     loop.sampler_compile(cfg, multi=True)
+  cfg.sampler.compile = "ahead"  # the same programs every run: sync mode too
+  for mode in ("async", "sync"):
+    cfg.rl.mode = mode
+    config_lib.validate(cfg)
+    assert loop.sampler_compile(cfg, multi=False) == "ahead"
+  with pytest.raises(loop.RunError, match="'ahead' needs a single-process"):
+    loop.sampler_compile(cfg, multi=True)
+  cfg.sampler.compile = "later"
+  with pytest.raises(config_lib.ConfigError, match="sampler.compile"):
+    config_lib.validate(cfg)

@@ -176,9 +176,12 @@ class Pipeline:
     self.engine = Engine.from_config(cfg.sampler, self.model_cfg, mesh=self.meshes.sampler,
                                      tokenizer=self.tokenizer)
     self._compiler = None
-    if sampler_compile(cfg, multi) == "background":
+    where = sampler_compile(cfg, multi)
+    if where == "background":
       self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
       self.engine.compile_in_background(self._compiler)
+    elif where == "ahead":
+      self.engine.compile_covers_only()
     if multi:
       self.engine = multihost.ReplicatedOutputs(self.engine)
     self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
@@ -522,12 +525,12 @@ class Pipeline:
 
 def sampler_compile(cfg, multi: bool) -> str:
   """Where the sampler's programs compile (sampler.compile; sampler/programs.py):
-  "background" in a single-process async run unless the config says "inline", else
-  "inline". Sync runs stay reproducible bit for bit, and every process of a
+  "background" in a single-process async run unless the config says "inline" or
+  "ahead" (only the covering programs, before the clock), else "inline". Sync runs stay reproducible bit for bit, and every process of a
   multi-process run launches the same programs."""
   mode = cfg.sampler.compile
-  if mode == "background" and multi:
-    raise RunError("sampler.compile='background' needs a single-process run (every process "
+  if mode in ("background", "ahead") and multi:
+    raise RunError(f"sampler.compile={mode!r} needs a single-process run (every process "
                    "must launch the same programs); use 'auto' or 'inline'")
   if mode == "auto":
     mode = "background" if cfg.rl.mode == "async" and not multi else "inline"

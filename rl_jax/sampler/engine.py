@@ -206,6 +206,11 @@ class Engine:
     single-process async runs: the program a call runs then depends on timing."""
     self.programs = None if executor is None else programs_lib.Programs(executor)
 
+  def compile_covers_only(self) -> None:
+    """Run every call on a covering program (Generator.compile_covers compiles them)
+    and compile no other bucket: sampler.compile="ahead" (programs.py)."""
+    self.programs = programs_lib.Programs(None)
+
   def _build_programs(self) -> None:
     cfg, st, rep = self.model_cfg, self.state_shardings, shd.replicated(self._mesh)
     self._init_params = jax.jit(lambda rng: self._layout(model.init_params(cfg, rng)),

@@ -12,6 +12,10 @@ calls after it:
     segments), `generate_cover`;
   - prefill: the prompts padded to a compiled batch and length, or in several batches
     of a compiled size, `prefill_plan`.
+Without an executor (sampler.compile="ahead") nothing compiles in the background:
+compile_covers compiles the covering programs before the run and every call runs on
+one of them (more padding per call, no compile during the run; the same programs in
+every run and process, so sync runs stay reproducible).
 A covering program computes the same tokens and log-probs on more padding, equal up to
 the last bits of floating-point reductions. Which program runs depends on when a
 compile finishes, so sync runs (reproducible bit for bit) and multi-process runs (every
@@ -40,8 +44,8 @@ class Programs:
   """Ahead-of-time compiled programs by key, compiled on `executor` (its thread belongs
   to the caller, orchestration/). Lookups and scheduling are thread-safe."""
 
-  def __init__(self, executor: concurrent.futures.Executor):
-    self._executor = executor
+  def __init__(self, executor: concurrent.futures.Executor | None):
+    self._executor = executor  # None: no background compiles (schedule does nothing)
     self._lock = threading.Lock()
     self._ready: dict[Hashable, Callable] = {}
     self._futures: dict[Hashable, concurrent.futures.Future] = {}
@@ -61,6 +65,8 @@ class Programs:
   def schedule(self, key: Hashable, jitted, args) -> None:
     """Compile `key` on the executor (once); a failure is raised by `compile_now` or by
     the next `schedule` of any key, not lost."""
+    if self._executor is None:
+      return
     with self._lock:
       self._raise_failures()
       if key in self._ready or key in self._futures:
