@@ -68,7 +68,7 @@ def get_config(arg=None):
   c.sampler.steps_per_call = ml_collections.FieldReference("auto", field_type=object)
   # Where new program buckets compile: inline (the call waits) | background (a compiled
   # program covering the call runs meanwhile; single-process async runs only) | ahead
-  # (only the programs covering every call, before the run; single-process) | auto:
+  # (only the programs covering every call, compiled before the run) | auto:
   # background in single-process async runs, else inline (sampler/programs.py).
   c.sampler.compile = "auto"
 

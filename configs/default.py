@@ -1,4 +1,4 @@
-"""The embedded default: tiny char-level model, 2-digit addition, async GRPO on 8 CPU devices.
+"""The embedded default: tiny char-level model, 2-digit addition, async GRPO on CPU devices.
 
 A heavy-tailed verifier latency (lognormal, emulating tool calls) makes the barrier of
 sync mode costly: every sync step waits for the slowest of its 256 calls, while async
@@ -14,7 +14,10 @@ Tuned for held-out reward per wall time on a 2-core CPU (notes/TUNING.md): 64 pr
 4 completions per step (more prompts per step beat more completions per prompt), AdamW
 at 2e-4, 400 steps; decode slots for a whole batch; completions of at most 8 tokens
 (an answer has at most 3 digits plus the stop token), so every batch fits the 16-token
-length bucket and the train step compiles once.
+length bucket and the train step compiles once; zero-variance groups filtered and
+replaced; the sampler on one device and the trainer on four (of the 8 host devices the
+launcher makes), the sampler's programs compiled once before the run, and an admission
+queue of two batches.
 """
 from configs import base
 
@@ -27,8 +30,10 @@ def get_config(arg=None):
   c.task.num_terms = 2
   c.task.operators = "+"
   # Pure data parallelism on both sides: on CPU, FSDP/TP collectives cost more than the
-  # tiny model's math. Sampler devices first, then trainer devices.
-  c.mesh.sampler.data = 4
+  # tiny model's math. Sampler devices first, then trainer devices. The sampler takes
+  # one device: a decode call split over 4 CPU devices costs 1.4-2.8x the same call on
+  # one (fixed cost per device and call, notes/TUNING.md); the train step gains from 4.
+  c.mesh.sampler.data = 1
   c.mesh.sampler.tensor = 1
   c.mesh.trainer.data = 4
   c.mesh.trainer.fsdp = 1
@@ -38,6 +43,9 @@ def get_config(arg=None):
   c.sampler.max_new_tokens = 8
   c.sampler.page_size = 8
   c.sampler.max_concurrent_decodes = 256
+  # Only the two programs that cover every call, compiled before the run: on this CPU a
+  # bucket's compile (2-3 s) costs more than the padding it would save.
+  c.sampler.compile = "ahead"
   c.trainer.length_buckets = (16, 32)
   c.trainer.learning_rate = 2e-4
   c.warmstart.steps = 300
@@ -48,6 +56,10 @@ def get_config(arg=None):
   c.rl.max_staleness = 2
   c.rl.groups_per_step = 64
   c.rl.group_size = 4
+  # Train only groups with signal (about 60% of sampled groups are uniform here).
+  c.rl.filter_groups = "zero_variance"
+  # Room for the next batch while the last verifier calls of this one run.
+  c.rl.queue_maxsize = 128
   c.rl.eval_every = 25
   c.task.heldout_size = 512
   # Tool-call-like verification: every call of a step can run at once, heavy-tailed

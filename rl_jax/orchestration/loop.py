@@ -526,12 +526,13 @@ class Pipeline:
 def sampler_compile(cfg, multi: bool) -> str:
   """Where the sampler's programs compile (sampler.compile; sampler/programs.py):
   "background" in a single-process async run unless the config says "inline" or
-  "ahead" (only the covering programs, before the clock), else "inline". Sync runs stay reproducible bit for bit, and every process of a
+  "ahead" (only the covering programs, before the clock: the same programs in every
+  run and process), else "inline". Sync runs stay reproducible bit for bit, and every process of a
   multi-process run launches the same programs."""
   mode = cfg.sampler.compile
-  if mode in ("background", "ahead") and multi:
-    raise RunError(f"sampler.compile={mode!r} needs a single-process run (every process "
-                   "must launch the same programs); use 'auto' or 'inline'")
+  if mode == "background" and multi:
+    raise RunError("sampler.compile='background' needs a single-process run (every process "
+                   "must launch the same programs); use 'auto', 'inline' or 'ahead'")
   if mode == "auto":
     mode = "background" if cfg.rl.mode == "async" and not multi else "inline"
   return mode
