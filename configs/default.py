@@ -15,8 +15,8 @@ Tuned for held-out reward per wall time on a 2-core CPU (notes/TUNING.md): 64 pr
 at 2e-4, 400 steps; decode slots for a whole batch; completions of at most 8 tokens
 (an answer has at most 3 digits plus the stop token), so every batch fits the 16-token
 length bucket and the train step compiles once; zero-variance groups filtered and
-replaced; the sampler on one device and the trainer on four (of the 8 host devices the
-launcher makes), the sampler's programs compiled once before the run, and an admission
+replaced; the sampler on one host device and the trainer on four (the launcher makes
+the 5 devices), the sampler's programs compiled once before the run, and an admission
 queue of two batches.
 """
 from configs import base
