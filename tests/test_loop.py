@@ -284,7 +284,7 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
       "--config.rl.groups_per_step=2", "--config.rl.group_size=4", "--config.rl.eval_every=0",
       "--config.task.heldout_size=4", "--config.task.tool_demo_fraction=1.0",
       "--config.warmstart.steps=40", "--config.warmstart.batch_size=16",
-      "--config.sampler.max_concurrent_decodes=4", "--config.sampler.page_size=16",
+      "--config.sampler.max_concurrent_decodes=4", "--config.sampler.page_size=64",
       "--config.trainer.length_buckets=(64,)",
       "--config.env.tool.latency=fixed", "--config.env.tool.latency_mean_s=0.01",
       "--config.rl.filter_groups=zero_variance", "--config.rl.max_oversample=2",
