@@ -180,7 +180,8 @@ def test_reference_decode_agrees_with_its_forward_pass(monkeypatch):
     tok2, _ = ref.decoder(kind)(p, first, pos0, prompted_cache(kind, one))  # the fori_loop form
     np.testing.assert_array_equal(np.asarray(tok2), seqs[-1][:, -1])
   np.testing.assert_array_equal(seqs[0], seqs[1])
-  full = lambda t: np.argmax(np.asarray(ref.hidden(p, jnp.asarray(t)) @ ref.head_weight(p)), -1)
+  forward = jax.jit(lambda p, t: ref.hidden(p, t) @ ref.head_weight(p))
+  full = lambda t: np.argmax(np.asarray(forward(p, jnp.asarray(t))), -1)
   dense = seqs[0]
   np.testing.assert_array_equal(dense[0, 1:], full(dense[:1, :-1])[0])
   prompted = np.concatenate([[9, 9, 9], dense[1, :-1]])[None]
@@ -207,9 +208,9 @@ def test_reference_train_step_is_the_policy_gradient_with_a_chunked_head(monkeyp
     picked = jnp.take_along_axis(logp, tok[:, 1:, None], -1)[..., 0]
     return -jnp.sum(adv[:, None] * picked) / picked.size
   zeros = jax.tree.map(jnp.zeros_like, w)
-  _, m, _, loss = ref.train_step(w, zeros, zeros, tok, adv, jnp.ones((2, 8)))
+  _, m, _, loss = jax.jit(ref.train_step)(w, zeros, zeros, tok, adv, jnp.ones((2, 8)))
   assert abs(float(loss) + float(jnp.sum(adv) * 7) / 14) < 1e-5  # r = 1: -sum(A * 7) / 14
-  g = jax.grad(surrogate)(w)
+  g = jax.jit(jax.grad(surrogate))(w)
   for a, mm in zip(jax.tree.leaves(g), jax.tree.leaves(m)):
     np.testing.assert_allclose(mm, 0.1 * np.asarray(a), rtol=1e-4, atol=1e-7)  # Adam's m
 

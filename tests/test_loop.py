@@ -17,6 +17,9 @@ TINY = [
     "--config.rl.total_steps=6", "--config.rl.groups_per_step=4", "--config.rl.group_size=4",
     "--config.rl.eval_every=3", "--config.task.heldout_size=8", "--config.warmstart.steps=0",
     "--config.sampler.max_concurrent_decodes=16", "--config.sampler.max_new_tokens=16",
+    # One page per sequence (16 + 16 positions): one page-table width bucket, so fewer
+    # generate programs to compile (paging itself is tested in test_generator*).
+    "--config.sampler.page_size=32",
     "--config.trainer.length_buckets=(32,)", "--config.verifier.workers=4",
     "--config.verifier.latency=lognormal", "--config.verifier.latency_mean_s=0.01",
     "--config.metrics.console=false", "--config.metrics.tensorboard=false",
@@ -308,7 +311,7 @@ def test_calculator_tool_episodes_end_to_end(tmp_path):
       "--config.rl.groups_per_step=2", "--config.rl.group_size=4", "--config.rl.eval_every=0",
       "--config.task.heldout_size=4", "--config.task.tool_demo_fraction=1.0",
       "--config.warmstart.steps=40", "--config.warmstart.batch_size=16",
-      "--config.sampler.max_concurrent_decodes=4", "--config.sampler.page_size=16",
+      "--config.sampler.max_concurrent_decodes=4", "--config.sampler.page_size=64",
       "--config.trainer.length_buckets=(64,)",
       "--config.env.tool.latency=fixed", "--config.env.tool.latency_mean_s=0.01",
       "--config.rl.filter_groups=zero_variance", "--config.rl.max_oversample=2",

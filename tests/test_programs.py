@@ -98,9 +98,13 @@ def test_a_failed_background_compile_is_raised_on_the_callers_thread():
 
 
 def _sample(engine, params, executor=None, covers=False):
-  """Rollouts of three waves of groups of different sizes (new slot, page-width, lane and
-  prefill buckets each wave), finishing the background compiles after the first (never,
-  with `covers`: the generator compiles its covering programs first)."""
+  """Rollouts of three waves: two groups of 4 with 7- and 8-token prompts (8 slots, the
+  16-token lane, page widths 3 and 4), then twice one group of 2 with a 2-token prompt
+  (2 slots, the 4-token lane, widths 1 and 2: under compile_in_background the first
+  of these runs on the first wave's programs, which cover it in slots, width and lane,
+  while its own compiles on the executor; they are compiled before the third wave,
+  except with `covers`: the generator compiles its covering programs first and every
+  call runs on them)."""
   gen = G.Generator(engine, params, sampling=SAMPLING)
   if covers:
     lane = engine.prefill_lane
@@ -109,9 +113,9 @@ def _sample(engine, params, executor=None, covers=False):
     assert gen.compile_covers() == []  # once
   rng = np.random.default_rng(0)
   out = []
-  for wave, (groups, size) in enumerate([(1, 2), (3, 2), (2, 4)]):
-    for g in range(groups):
-      prompt = rng.integers(3, CFG.vocab_size, size=int(rng.integers(2, 8)))
+  for wave, (lengths, size) in enumerate([((7, 8), 4), ((2,), 2), ((2,), 2)]):
+    for g, length in enumerate(lengths):
+      prompt = rng.integers(3, CFG.vocab_size, size=length)
       gen.add_group(10 * wave + g, prompt, size, seed=10 * wave + g)
     for _ in range(200):
       if not gen.num_active and not gen.num_pending:
@@ -188,6 +192,8 @@ def test_covered_prefill_writes_the_pages_an_exact_prefill_writes():
 
 def test_where_the_sampler_compiles():
   cfg = default.get_config()
+  assert loop.sampler_compile(cfg, multi=False) == "ahead"  # the default's choice
+  cfg.sampler.compile = "auto"
   assert loop.sampler_compile(cfg, multi=False) == "background"
   assert loop.sampler_compile(cfg, multi=True) == "inline"
   cfg.rl.mode = "sync"
