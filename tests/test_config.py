@@ -187,6 +187,8 @@ def test_validation_errors(field, value, words):
     cfg.env.tool.latency_mean_s = 1.0
   if field == "rl.overlong_buffer":
     cfg.rl.overlong = "penalty"
+  if field == "sampler.max_concurrent_decodes":
+    cfg.mesh.sampler.data = 4  # 6 slots over 4 data-parallel sampler devices
   if field == "rl.groups_per_step":
     cfg.mesh.trainer.update(data=1, fsdp=2, tensor=2)
     cfg.rl.group_size = 3  # 3 x 3 = 9 rollouts over 2 data-parallel trainer devices

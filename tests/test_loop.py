@@ -23,6 +23,9 @@ TINY = [
     "--config.trainer.length_buckets=(32,)", "--config.verifier.workers=4",
     "--config.verifier.latency=lognormal", "--config.verifier.latency_mean_s=0.01",
     "--config.metrics.console=false", "--config.metrics.tensorboard=false",
+    # The accounting tests count every admitted group as trained, discarded or in flight:
+    # no filtering (its own tests below turn it on) and a one-batch queue.
+    "--config.rl.filter_groups=none", "--config.rl.queue_maxsize=64",
 ]
 
 
