@@ -123,7 +123,11 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
   monkeypatch.setattr(control, "stalled", lambda rows: 0.0)
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
                  "--config.rl.inflight_weight_updates=true", "--config.rl.control=admission",
-                 "--config.rl.control_every=3")
+                 "--config.rl.control_every=3",
+                 # A sampler split over 4 devices decodes slowly enough on CPU that some
+                 # completions span a publication (checked below); on one device the
+                 # sampler finishes its admitted groups before the trainer publishes.
+                 "--config.mesh.sampler.data=4")
   kv_bytes, threads, pools = [], [], []
 
   def awaited(pipe):
