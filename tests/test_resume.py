@@ -251,7 +251,7 @@ def test_incompatible_config_is_one_clear_error(sync_runs, env, override, field)
 
 def test_async_kill_preempt_and_corruption_lose_only_in_flight_groups(env, tmp_path):
   workdir = str(tmp_path)
-  extra = ("--config.rl.mode=async", "--config.rl.total_steps=6")
+  extra = ("--config.rl.mode=async", "--config.rl.total_steps=6", "--config.warmstart.steps=0")
   run = Run(env, workdir, *extra)
   run.wait_for_new_step(2)
   run.proc.kill()
