@@ -251,7 +251,7 @@ def test_incompatible_config_is_one_clear_error(sync_runs, env, override, field)
 
 def test_async_kill_preempt_and_corruption_lose_only_in_flight_groups(env, tmp_path):
   workdir = str(tmp_path)
-  extra = ("--config.rl.mode=async", "--config.rl.total_steps=6")
+  extra = ("--config.rl.mode=async", "--config.rl.total_steps=6", "--config.warmstart.steps=0")
   run = Run(env, workdir, *extra)
   run.wait_for_new_step(2)
   run.proc.kill()
@@ -335,7 +335,8 @@ def test_worker_failure_saves_and_stops_every_thread(tmp_path, monkeypatch):
 
 def test_sigterm_without_checkpointing_stops_at_once_with_143(env, tmp_path):
   run = Run(env, str(tmp_path), "--config.rl.mode=async", "--config.checkpoint.every=0",
-            "--config.checkpoint.grace_period_s=3000", "--config.rl.total_steps=50")
+            "--config.checkpoint.grace_period_s=3000", "--config.rl.total_steps=50",
+            "--config.warmstart.steps=0")
   run.wait_for_new_step(1)
   run.proc.send_signal(signal.SIGTERM)
   assert run.wait() == cli.EXIT_PREEMPTED, run.err[-3000:]  # well before the grace period
