@@ -99,6 +99,11 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
               "trainer_busy_frac"):
     assert key in on_disk, key
   assert on_disk["optimizer_steps"] == cfg.rl.total_steps
+  # sampler.compile=ahead (configs/default.py): the two covering programs compiled before
+  # the clock, none during the run, and every sampler call ran on one of them.
+  assert (on_disk["sampler_programs_compiled_ahead"], on_disk["sampler_programs_compiled_inline"],
+          on_disk["sampler_programs_compiled_background"]) == (2, 0, 0)
+  assert on_disk["sampler_calls_covered"] > 0
   # The attention kernel that ran (auto on CPU: xla, no fallback), in summary and metrics.
   assert (on_disk["attention_kernel"], on_disk["attention_requested"],
           on_disk["attention_fallback"]) == ("xla", "auto", "")
