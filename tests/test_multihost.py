@@ -24,6 +24,7 @@ TINY = [
     "--config.metrics.tensorboard=False", "--config.metrics.console=False",
     # Sizes the default's CPU tuning may change, pinned small.
     "--config.sampler.max_concurrent_decodes=64", "--config.verifier.workers=8",
+    "--config.rl.filter_groups=none", "--config.rl.queue_maxsize=64",
 ]
 
 

@@ -31,7 +31,10 @@ TASK = ["--config.task.digits=1", "--config.task.heldout_size=16",
         "--config.mesh.trainer.data=1",
         # Rewards depend on the order rollouts reach the verifiers (below); one step per
         # call keeps the order in which this run's injected failures give a reward spread.
-        "--config.sampler.steps_per_call=1"]
+        "--config.sampler.steps_per_call=1",
+        # The accounting below counts every admitted group as trained, discarded or lost:
+        # no filtering (its resume test turns it on) and a one-batch queue.
+        "--config.rl.filter_groups=none", "--config.rl.queue_maxsize=64"]
 TINY = ["--config", "configs/default.py", *TASK, "--config.rl.total_steps=5",
         "--config.rl.groups_per_step=4", "--config.rl.group_size=4", "--config.rl.eval_every=2",
         "--config.warmstart.steps=40", "--config.metrics.tensorboard=false",
