@@ -17,7 +17,7 @@ at 2e-4, 400 steps; decode slots for a whole batch; completions of at most 8 tok
 length bucket and the train step compiles once; zero-variance groups filtered and
 replaced; the sampler on one host device and the trainer on four (the launcher makes
 the 5 devices), the sampler's programs compiled once before the run, and an admission
-queue of two batches.
+queue of three batches.
 """
 from configs import base
 
@@ -58,8 +58,9 @@ def get_config(arg=None):
   c.rl.group_size = 4
   # Train only groups with signal (about 60% of sampled groups are uniform here).
   c.rl.filter_groups = "zero_variance"
-  # Room for the next batch while the last verifier calls of this one run.
-  c.rl.queue_maxsize = 128
+  # Room for the next batches while the last verifier calls of this one run: the
+  # staleness rule's bound, (max_staleness + 1) x groups_per_step.
+  c.rl.queue_maxsize = 192
   c.rl.eval_every = 25
   c.task.heldout_size = 512
   # Tool-call-like verification: every call of a step can run at once, heavy-tailed
