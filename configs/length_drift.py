@@ -23,7 +23,7 @@ def get_config(arg=None):
     c.rl.control = variants.pop("control")
   if variants:
     raise ValueError(f"unknown variant {next(iter(variants))!r}; known: mode, control")
-  # The default's filtering and two-batch queue are off: this is the workload the
+  # The default's filtering and larger queue are off: this is the workload the
   # controller comparison (README) measured, with a fixed queue of one batch.
   c.rl.filter_groups = "none"
   c.rl.queue_maxsize = 64
