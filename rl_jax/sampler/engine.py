@@ -34,9 +34,8 @@ c cached prompt tokens needs pages for c + n positions (every decode input is ca
 Programs: generate compiles per (slot bucket, page-width bucket, truncation) triple
 (Engine.__init__), and the fused apply_and_generate likewise, without a prefill lane
 and with each lane size the passes use (prefill_lane.sizes). Slot and page-width
-buckets are 2^i and 1.5 x 2^i (at most 1/3 padding). A program compiles at its first
-call, or, after compile_in_background, on an executor while covering programs serve
-the calls that need it (programs.py).
+buckets are 2^i and 1.5 x 2^i (at most 1/3 padding). Where they compile (first call,
+background, or only the covering programs ahead): programs.py.
 `sampler.dtype` "auto" is bfloat16 on GPU/TPU and float32 on CPU.
 """
 from __future__ import annotations
@@ -200,15 +199,13 @@ class Engine:
     self._build_programs()
 
   def compile_in_background(self, executor) -> None:
-    """Compile fused generate and batched prefill programs on `executor` (a
-    concurrent.futures.Executor; None: inline at the first call, the default), running
-    a compiled program that covers a call until its own is ready (programs.py). For
-    single-process async runs: the program a call runs then depends on timing."""
+    """Compile new buckets on `executor` (None: inline at the first call, the default)
+    while a compiled program covering a call serves it (programs.py; the program a
+    call runs then depends on timing)."""
     self.programs = None if executor is None else programs_lib.Programs(executor)
 
   def compile_covers_only(self) -> None:
-    """Run every call on a covering program (Generator.compile_covers compiles them)
-    and compile no other bucket: sampler.compile="ahead" (programs.py)."""
+    """sampler.compile="ahead": every call on a covering program, no other bucket."""
     self.programs = programs_lib.Programs(None)
 
   def _build_programs(self) -> None:
