@@ -76,6 +76,22 @@ def test_admission_range_clamp_and_live_limit_follow_the_staleness_rule():
   assert sync.admission_range() == (8, 8)
 
 
+def test_admission_range_tops_out_where_the_queue_bound_binds_first():
+  # Rule: (4 + 1) * 8 = 40 groups; but at most queue_maxsize 16 outstanding plus the
+  # 8 * 1 held between publications can ever be ahead: a live limit above 24 is a no-op.
+  pol = StalenessPolicy.make(mode="async", groups_per_step=8, max_staleness=4,
+                             max_inflight_groups=-1, queue_maxsize=16, weight_sync_every=1)
+  assert pol.max_inflight == 40
+  assert pol.admission_range() == (8, 24)
+  states = [(i, q, h) for i in range(25) for q in range(17) for h in range(9)]
+  same = [pol.can_admit(inflight=i, queued=q, held=h, limit=24) ==
+          pol.can_admit(inflight=i, queued=q, held=h) for i, q, h in states]
+  assert all(same)
+  # ...and 24 is the least such limit: at 23 some reachable state admits less.
+  assert any(pol.can_admit(inflight=i, queued=q, held=h) and
+             not pol.can_admit(inflight=i, queued=q, held=h, limit=23) for i, q, h in states)
+
+
 @pytest.mark.parametrize("train_fixed_s,decode_step_s,expect", [
     (0.5, 1e-4, "lo"),   # trainer-bound: one batch ahead keeps it busy; fewest in flight
     (1e-3, 2e-3, "hi"),  # sampler-bound: every group the rule allows

@@ -15,9 +15,13 @@ changes the run and its prediction alike. It imports nothing but the standard li
                            A live `limit` (rl.control) replaces max_inflight only within
                            admission_range()
   admission_range()        (lo, hi) a live admission limit may take: hi = max_inflight
-                           (the staleness rule's bound, or the configured one), lo =
-                           min(hi, groups_per_step * weight_sync_every), the least that can
-                           still reach a publication (stall_reason); sync: (hi, hi)
+                           (the staleness rule's bound, or the configured one), or
+                           queue_maxsize + groups_per_step * weight_sync_every when that is
+                           smaller (held never exceeds the batches trained between two
+                           publications, so a larger limit admits nothing more: the queue
+                           bound binds first), lo = min(hi, groups_per_step *
+                           weight_sync_every), the least that can still reach a
+                           publication (stall_reason); sync: (hi, hi)
   barrier_allows           sync only: groups_per_step groups per optimizer step, admitted
                            once the previous step is done and the sampler runs the
                            trainer's version; async: always
@@ -106,7 +110,9 @@ class StalenessPolicy:
     hi = self.max_inflight
     if self.sync:
       return hi, hi
-    return min(hi, self.groups_per_step * self.weight_sync_every), hi
+    per_publication = self.groups_per_step * self.weight_sync_every
+    hi = min(hi, self.queue_maxsize + per_publication)
+    return min(hi, per_publication), hi
 
   def clamp(self, limit: int) -> int:
     """A live admission limit moved into admission_range()."""

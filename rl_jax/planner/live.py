@@ -13,7 +13,8 @@ they are few: 5 for a decision; for the advice, the configuration and each alter
 over half a window.
 
   decide   admission bounds b in admission_range() = [lo, hi] (StalenessPolicy: never
-           above the staleness rule), up to 4 values evenly spaced, at every decode
+           above the staleness rule, nor where the queue's bound binds first), up to 4
+           values evenly spaced, at every decode
            slot; then the slot limit k in {S, S/2} (S = sampler.max_concurrent_decodes,
            k >= group_size) at the chosen b. Each pick is the smallest value whose
            predicted steps/hour is within `tolerance` of the best: the fewest groups in
