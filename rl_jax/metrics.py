@@ -103,6 +103,9 @@ DESCRIPTIONS = {
     "control/decode_slots": "decode slots the live controller lets the sampler use",
     "control/steps_per_hour_error": "(predicted - measured) / measured optimizer steps per "
                                     "hour of a control window, predicted one window ahead",
+    "control/apply_lag_steps": "optimizer steps from a control window's end to the step "
+                               "that applied its decision (its computation runs off the "
+                               "trainer thread)",
 }
 
 

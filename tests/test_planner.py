@@ -67,6 +67,21 @@ def _scenario(**kw):
   return planner.Scenario(**base)
 
 
+def test_length_draws_of_a_very_wide_refit_do_not_overflow():
+  """A refit sigma can be very large; the lognormal draw must not overflow exp, and
+  draws follow the NumPy formula exp(ln m + sigma z) (1 + d)^k clipped to [1, max]."""
+  for sigma, drift, step in ((400.0, 0.0, 0), (0.7, 0.01, 30), (0.7, -0.02, 10)):
+    lm = LengthModel(kind="lognormal", max_tokens=24, median=6, sigma=sigma,
+                     drift_per_step=drift)
+    with np.errstate(over="raise"):
+      got = lm.sample(np.random.default_rng(5), 4000, step=step)
+    z = np.random.default_rng(5).standard_normal(4000)
+    with np.errstate(over="ignore"):
+      ref = np.exp(np.log(6) + sigma * z) * (1 + drift) ** step
+    np.testing.assert_array_equal(got, np.clip(np.rint(ref), 1, 24))
+    assert got.min() >= 1 and got.max() <= 24
+
+
 def test_single_server_queue_matches_mm1_wait():
   """Poisson arrivals (rate lam), exponential service (rate mu), one server:
   mean wait in line Wq = rho / (mu - lam), rho = lam / mu."""

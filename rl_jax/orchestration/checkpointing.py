@@ -219,6 +219,7 @@ class RunCheckpoints:
         "verifier_calls": cut * p.cfg.rl.group_size,
         "lost_group_ids": lost, "lost_rollouts": sum(outstanding[g]["rollouts"] for g in lost),
         "queued_groups": pack_groups(queued),
+        "control": p.control.state() if p.control is not None else None,
         **p.acc.state(counts),
     }
 
@@ -269,6 +270,8 @@ class RunCheckpoints:
     if p.pool is not None:
       p.pool.continue_from(int(loop["verifier_calls"]))
     lost = p.acc.load(loop, step=r.step, skipped_steps=r.skipped_steps)
+    if p.control is not None and loop.get("control"):
+      p.control.load(loop["control"])  # the live settings, not the config's, continue
     queued = unpack_groups(loop.get("queued_groups"), p.task)
     p.worker.restore_queued(queued)
     self.truncate_metrics(r.step)

@@ -228,6 +228,24 @@ class Controller:
       self._noted = True
       self.console.message(text + " (noted once per run)")
 
+  def state(self) -> dict:
+    """What a checkpoint keeps (JSON): the settings in force, the decisions and advice so
+    far. A window in flight is not kept: after a resume the first row starts a new one."""
+    return {"admission_bound": self.bound, "decode_slots": self.slots,
+            "decisions": list(self.decisions), "advice": list(self.advice)}
+
+  def load(self, state: dict) -> None:
+    """Continues a checkpoint's controller: its settings apply at once (within this
+    config's limits, which may have changed), its decisions and advice stay in
+    summary.json, and advice printed before is not printed again."""
+    from rl_jax.planner import live
+    self._apply(live.Decision(admission_bound=int(state["admission_bound"]),
+                              decode_slots=int(state["decode_slots"]), predicted={},
+                              simulations=0))
+    self.decisions = list(state.get("decisions", []))
+    self.advice = list(state.get("advice", []))
+    self._advised = {tuple(a["overrides"]) for a in self.advice}
+
   def summary(self) -> dict:
     """control_decisions (the window's end "step" and the "applied_step"; windows
     without a decision have "skipped": why, a window still in flight "the run ended

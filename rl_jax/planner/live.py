@@ -9,17 +9,18 @@ window` steps, warm-up = max_staleness + 2 (the steps a pipeline takes to fill),
 reads the steady state of the window (`profile.steady_state` of its rows), which is what
 the next window of the warm run measures. The simulations are the controller's cost
 (control/seconds, on a background thread that shares the GIL with the pipeline's), so
-they are few: 5 for a decision; for the advice, the configuration and each alternative
+they are few: about 7 for a decision; for the advice, the configuration and each alternative
 over half a window.
 
-  decide   admission bounds b in admission_range() = [lo, hi] (StalenessPolicy: never
-           above the staleness rule, nor where the queue's bound binds first), up to 4
-           values evenly spaced, at every decode
-           slot; then the slot limit k in {S, S/2} (S = sampler.max_concurrent_decodes,
-           k >= group_size) at the chosen b. Each pick is the smallest value whose
-           predicted steps/hour is within `tolerance` of the best: the fewest groups in
-           flight (least staleness, fewest discards) that keeps the trainer as busy,
-           i.e. sampling rate lambda ~= training rate mu at the configured bound.
+  decide   the admission bound b in admission_range() = [lo, hi] (StalenessPolicy: never
+           above the staleness rule, nor where the queue's bound binds first), at every
+           decode slot, found by bisection (search_bound: hi, lo, then halving to 1/16
+           of the range, about 6 simulations); then the slot limit k in {S, S/2}
+           (S = sampler.max_concurrent_decodes, k >= group_size) at the chosen b. Each
+           pick is the smallest value whose predicted steps/hour is within `tolerance`
+           (3%) of the best evaluated: the fewest groups in flight (least staleness,
+           fewest discards) that keeps the trainer as busy, i.e. sampling rate
+           lambda ~= training rate mu at the configured bound.
   errors   (predicted - measured) / max(measured, floor) of steps/hour, queue depth and
            staleness, floor 1 for the last two (means that can be 0), else 1e-9.
   advise   the run's configuration against other sampler/trainer splits of the same
@@ -78,24 +79,54 @@ def predict(cfg, profile, *, num_steps: int, layout=None, max_inflight_groups=No
   return profile_lib.steady_state(rows[warmup - 1:], skip_frac=0.0)
 
 
+RESOLUTION = 16  # the admission bound's search stops at 1/16 of its range (or 1 group)
+
+
 def _smallest_near_best(options: list[int], preds: list[dict], tolerance: float) -> int:
   best = max(p["steps_per_hour"] for p in preds)
   return min(o for o, p in zip(options, preds) if p["steps_per_hour"] >= (1 - tolerance) * best)
+
+
+def search_bound(lo: int, hi: int, steps_per_hour, *, tolerance: float,
+                 resolution: int) -> tuple[int, dict[int, float]]:
+  """The smallest bound in [lo, hi] whose steps/hour is within `tolerance` of the best
+  evaluated, by bisection (steps/hour grows with the bound until the trainer is busy):
+  (bound, {evaluated bound: steps/hour}). Bisection stops at `resolution` groups."""
+  seen: dict[int, float] = {}
+
+  def ok(b: int) -> bool:
+    if b not in seen:
+      seen[b] = float(steps_per_hour(b))
+    return seen[b] >= (1 - tolerance) * seen[hi]
+
+  ok(hi)
+  if not ok(lo):
+    a, z = lo, hi  # a: below the target; z: at it
+    while z - a > resolution:
+      m = (a + z) // 2
+      a, z = (a, m) if ok(m) else (m, z)
+  best = max(seen.values())
+  return min(b for b, v in seen.items() if v >= (1 - tolerance) * best), seen
 
 
 def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
            device: DeviceSpec = DEVICES["h200"]) -> Decision:
   """The admission bound and decode slots for the next window (module docstring)."""
   lo, hi = policy.admission_range()
-  bounds = sorted({policy.clamp(int(round(b))) for b in np.linspace(lo, hi, 4)})
   slots_max = int(cfg.sampler.max_concurrent_decodes)
   g = int(cfg.rl.group_size)
   slot_options = sorted({slots_max} | ({slots_max // 2} if slots_max // 2 >= g else set()))
   steps = window_steps
-  at_bound = [predict(cfg, profile, num_steps=steps, max_inflight_groups=b, device=device)
-              for b in bounds]
-  bound = _smallest_near_best(bounds, at_bound, tolerance)
-  preds = {slots_max: at_bound[bounds.index(bound)]}
+  at_bound: dict[int, dict] = {}
+
+  def steps_per_hour(b: int) -> float:
+    at_bound[b] = predict(cfg, profile, num_steps=steps, max_inflight_groups=b, device=device)
+    return at_bound[b]["steps_per_hour"]
+
+  bound, _ = search_bound(lo, hi, steps_per_hour, tolerance=tolerance,
+                          resolution=max(1, (hi - lo) // RESOLUTION))
+  bounds = sorted(at_bound)
+  preds = {slots_max: at_bound[bound]}
   for k in slot_options[:-1]:
     preds[k] = predict(cfg, profile, num_steps=steps, max_inflight_groups=bound,
                        decode_slots=k, device=device)

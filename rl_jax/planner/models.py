@@ -117,10 +117,14 @@ class LengthModel:
 
   def sample(self, rng: np.random.Generator, size: int, step: int = 0) -> np.ndarray:
     if self.kind == "lognormal":
-      raw = np.exp(math.log(self.median) + self.sigma * rng.standard_normal(size))
+      # In log space, capped just above the max_tokens clip: a refit with a very large
+      # sigma would overflow exp, and every capped draw is clipped to max_tokens anyway.
+      log_raw = math.log(self.median) + self.sigma * rng.standard_normal(size)
+      log_raw = log_raw + step * math.log1p(self.drift_per_step)
+      raw = np.exp(np.minimum(log_raw, math.log(self.max_tokens) + 1.0))
     else:
       raw = np.asarray(self.values, np.float64)[rng.integers(len(self.values), size=size)]
-    raw = raw * (1.0 + self.drift_per_step) ** step
+      raw = raw * (1.0 + self.drift_per_step) ** step
     return np.clip(np.rint(raw), 1, self.max_tokens).astype(np.int64)
 
   def scaled(self, factor: float) -> LengthModel:
