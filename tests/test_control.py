@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 
+import numpy as np
 import pytest
 
 from rl_jax import config as config_lib
@@ -117,6 +119,35 @@ def test_decisions_stay_within_limits_and_aim_at_a_busy_trainer(train_fixed_s, d
     assert d.admission_bound == lo
   else:
     assert d.admission_bound > lo and preds[d.admission_bound] > 1.1 * preds[lo]
+
+
+def test_half_the_slots_only_where_the_window_saw_the_sampler_that_empty():
+  cfg = _cfg()
+  pol = StalenessPolicy.from_config(cfg.rl)
+  prof = _profile(train_fixed_s=0.5, decode_step_s=1e-4)  # trainer-bound: slots are free
+  free = live.decide(cfg, prof, pol, window_steps=10)
+  assert free.decode_slots == 32  # half of 64 predicted as fast: the smallest is kept
+  # A window whose sampler always ran 40+ sequences per decode step never measured 32:
+  # the decode model is not extrapolated there, the slots stay at 64.
+  full = live.decide(cfg, prof, pol, window_steps=10, min_active=40.0)
+  assert full.decode_slots == 64 and full.simulations == free.simulations - 1
+  assert full.admission_bound == free.admission_bound
+  assert live.decide(cfg, prof, pol, window_steps=10, min_active=32.0).decode_slots == 32
+
+
+def test_active_sequences_per_decode_step_of_a_window():
+  # Row k: calls since the row before c_k, each 4 decode steps; tokens/s x dt tokens.
+  rows = [{"step": 0, "time_s": 0.0, "sampler/generate_calls": 0, "sampler/tokens_per_s": 0.0}]
+  calls, dts, tps = [0, 5, 10, 0, 8], [1.0, 2.0, 1.0, 1.0, 0.5], [0.0, 400.0, 960.0, 0.0, 640.0]
+  for k, (c, dt, tp) in enumerate(zip(calls, dts, tps), start=1):
+    prev = rows[-1]
+    rows.append({"step": k, "time_s": prev["time_s"] + dt, "sampler/tokens_per_s": tp,
+                 "sampler/generate_calls": prev["sampler/generate_calls"] + c})
+  # window() skips the first row (base = rows[0]); rows without calls are left out.
+  got = profile_lib.active_per_decode_step(rows, steps_per_call=4)
+  np.testing.assert_allclose(got, [400 * 2 / 20, 960 * 1 / 40, 640 * 0.5 / 32])
+  assert len(profile_lib.active_per_decode_step(
+      [{"step": 0, "time_s": 0.0}, {"step": 1, "time_s": 1.0}], 4)) == 0
 
 
 @pytest.mark.parametrize("resolution", [1, 8])
@@ -265,7 +296,8 @@ def test_an_inline_executor_decides_as_the_synchronous_controller():
   counts = {k: 0 for k in live.FILTER_COUNTS}
   counts["timeline"] = {"sampler": [], "trainer": []}
   first = live.decide(cfg, capacity.refit(live.window_pilot(cfg, rows[:11], counts)),
-                      ctl.policy, window_steps=10)
+                      ctl.policy, window_steps=10,
+                      min_active=live.observed_active(cfg, rows[:11]))
   p = first.predicted
   assert {k: v for k, v in out[10].items() if k != "control/seconds"} == {
       "control/admission_bound": ctl.policy.clamp(first.admission_bound),
@@ -448,13 +480,17 @@ def test_an_error_inside_the_background_computation_is_logged_and_the_run_goes_o
   ctl = _controller(cfg, executor=ex)
   rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 14)
 
+  gate = threading.Event()  # the computation fails only after the window's own row
+
   def broken(pilot):
+    gate.wait(60)
     raise KeyError("sampler/decode_s")
 
   monkeypatch.setattr(capacity, "refit", broken)
   try:
     out = [ctl.after_row(r["step"], r) for r in rows[:11]]  # the window ends at step 11
     assert len(ex.futures) == 1 and "control/seconds" not in out[-1]
+    gate.set()
     ex.futures[0].result()  # done on the pool's thread, not raised
     out += [ctl.after_row(r["step"], r) for r in rows[11:]]
   finally:

@@ -161,7 +161,8 @@ class Controller:
         res["reason"] = f"a {stall:.0f}s step (an XLA compilation?)"
       else:
         profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
-        res["decision"] = live.decide(self.cfg, profile, self.policy, window_steps=self.every)
+        res["decision"] = live.decide(self.cfg, profile, self.policy, window_steps=self.every,
+                                      min_active=live.observed_active(self.cfg, rows))
         res["advice"] = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3),
                                     memory_gib=self.memory_gib)
     except UserError as e:

@@ -16,7 +16,9 @@ over half a window.
            above the staleness rule, nor where the queue's bound binds first), at every
            decode slot, found by bisection (search_bound: hi, lo, then halving to 1/16
            of the range, about 6 simulations); then the slot limit k in {S, S/2}
-           (S = sampler.max_concurrent_decodes, k >= group_size) at the chosen b. Each
+           (S = sampler.max_concurrent_decodes, k >= group_size; S/2 only when the
+           window saw the sampler decode that few sequences per step: below that the
+           fitted decode model would be extrapolated) at the chosen b. Each
            pick is the smallest value whose predicted steps/hour is within `tolerance`
            (3%) of the best evaluated: the fewest groups in flight (least staleness,
            fewest discards) that keeps the trainer as busy, i.e. sampling rate
@@ -109,13 +111,27 @@ def search_bound(lo: int, hi: int, steps_per_hour, *, tolerance: float,
   return min(b for b, v in seen.items() if v >= (1 - tolerance) * best), seen
 
 
+def observed_active(cfg, rows: list[dict]) -> float | None:
+  """The fewest sequences per decode step the window's sampler ran with (10th percentile
+  of its rows, profile.active_per_decode_step); None when the rows do not say."""
+  from rl_jax.sampler.engine import resolve_steps_per_call
+  active = profile_lib.active_per_decode_step(
+      rows, resolve_steps_per_call(cfg.sampler.steps_per_call))
+  return float(np.percentile(active, 10)) if len(active) else None
+
+
 def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
-           device: DeviceSpec = DEVICES["h200"]) -> Decision:
-  """The admission bound and decode slots for the next window (module docstring)."""
+           device: DeviceSpec = DEVICES["h200"], min_active: float | None = None) -> Decision:
+  """The admission bound and decode slots for the next window (module docstring).
+  `min_active` (observed_active): half the slots is an option only when the window saw
+  the sampler run with that few sequences per decode step, so that the fitted decode
+  model is not extrapolated below what it was fitted on."""
   lo, hi = policy.admission_range()
   slots_max = int(cfg.sampler.max_concurrent_decodes)
   g = int(cfg.rl.group_size)
-  slot_options = sorted({slots_max} | ({slots_max // 2} if slots_max // 2 >= g else set()))
+  half = slots_max // 2
+  seen = min_active is None or half >= min_active
+  slot_options = sorted({slots_max} | ({half} if half >= g and seen else set()))
   steps = window_steps
   at_bound: dict[int, dict] = {}
 

@@ -401,6 +401,23 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
   return SamplerModel(base_s=const, per_seq_s=0.0, per_ctx_token_s=0.0)
 
 
+def active_per_decode_step(rows: list[dict], steps_per_call: int) -> np.ndarray:
+  """Sequences per decode step (all replicas together) of each row of the window that
+  decoded: the sampler's tokens since the row before over its decode steps (the `active`
+  of fit_sampler_direct). Empty when the rows log no generate calls."""
+  base, win = window(rows)
+  if not win or "sampler/generate_calls" not in win[-1]:
+    return np.zeros(0)
+  prev, out = base, []
+  for row in win:
+    steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * steps_per_call
+    tokens = row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
+    prev = row
+    if steps > 0:
+      out.append(tokens / steps)
+  return np.asarray(out, np.float64)
+
+
 def sampler_busy_per_step(rows: list[dict]) -> float:
   """Sampler busy seconds per optimizer step over the window of a run's rows."""
   base, win = window(rows)
