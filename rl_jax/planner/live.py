@@ -130,8 +130,8 @@ def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
   slots_max = int(cfg.sampler.max_concurrent_decodes)
   g = int(cfg.rl.group_size)
   half = slots_max // 2
-  seen = min_active is None or half >= min_active
-  slot_options = sorted({slots_max} | ({half} if half >= g and seen else set()))
+  observed = min_active is None or half >= min_active
+  slot_options = sorted({slots_max} | ({half} if half >= g and observed else set()))
   steps = window_steps
   at_bound: dict[int, dict] = {}
 
@@ -141,14 +141,13 @@ def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
 
   bound, _ = search_bound(lo, hi, steps_per_hour, tolerance=tolerance,
                           resolution=max(1, (hi - lo) // RESOLUTION))
-  bounds = sorted(at_bound)
   preds = {slots_max: at_bound[bound]}
   for k in slot_options[:-1]:
     preds[k] = predict(cfg, profile, num_steps=steps, max_inflight_groups=bound,
                        decode_slots=k, device=device)
   slots = _smallest_near_best(slot_options, [preds[k] for k in slot_options], tolerance)
   return Decision(admission_bound=bound, decode_slots=slots, predicted=preds[slots],
-                  simulations=len(bounds) + len(slot_options) - 1)
+                  simulations=len(at_bound) + len(slot_options) - 1)
 
 
 def errors(predicted: dict, measured: dict) -> dict[str, float]:

@@ -358,6 +358,16 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
                       scaling_efficiency=scaling_efficiency, compile_s=compile_s)
 
 
+def _decode_rows(base: dict, win: list[dict], steps_per_call: int):
+  """(row before, row, decode steps, sampler tokens) of each window row since the row
+  before it."""
+  prev = base
+  for row in win:
+    steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * steps_per_call
+    yield prev, row, steps, row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
+    prev = row
+
+
 def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel,
                        replicas: int, notes: list[str],
                        contention: contention_lib.Contention | None = None) -> SamplerModel | None:
@@ -370,14 +380,11 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
   from rl_jax.sampler.engine import resolve_steps_per_call  # "auto": this machine's backend
   spc = resolve_steps_per_call(pilot.cfg.sampler.steps_per_call)
   mean_len = float(np.mean(lengths.sample(np.random.default_rng(0), 4096)))
-  prev, a, y, w = base, [], [], []
-  for row in win:
-    steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * spc
+  a, y, w = [], [], []
+  for prev, row, steps, tokens in _decode_rows(base, win, spc):
     busy = contention.alone_busy_s(
         "sampler", _busy_s(row, "sampler/busy_frac") - _busy_s(prev, "sampler/busy_frac"),
         prev["time_s"], row["time_s"])
-    tokens = row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
-    prev = row
     if steps <= 0 or busy <= 0:
       continue
     active = tokens / steps
@@ -408,14 +415,8 @@ def active_per_decode_step(rows: list[dict], steps_per_call: int) -> np.ndarray:
   base, win = window(rows)
   if not win or "sampler/generate_calls" not in win[-1]:
     return np.zeros(0)
-  prev, out = base, []
-  for row in win:
-    steps = (row["sampler/generate_calls"] - prev.get("sampler/generate_calls", 0)) * steps_per_call
-    tokens = row["sampler/tokens_per_s"] * (row["time_s"] - prev["time_s"])
-    prev = row
-    if steps > 0:
-      out.append(tokens / steps)
-  return np.asarray(out, np.float64)
+  return np.asarray([tokens / steps for _, _, steps, tokens in
+                     _decode_rows(base, win, steps_per_call) if steps > 0], np.float64)
 
 
 def sampler_busy_per_step(rows: list[dict]) -> float:
