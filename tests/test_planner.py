@@ -631,6 +631,71 @@ def test_simulated_contention_serialises_a_stalled_sampler():
   assert slowed["steps_per_hour"] < free["steps_per_hour"] * 0.9
 
 
+def test_loop_time_between_steps_delays_the_next_batch():
+  """The trainer-bound case of the test above: a step every 0.5 s. With
+  TrainerModel.loop_s = 0.1 the next batch is taken 0.1 s after each step (already
+  queued): a step every 0.6 s, trainer busy 0.5 / 0.6 of the time."""
+  lengths = LengthModel(kind="empirical", max_tokens=32, values=(20.0,))
+  common = dict(groups_per_step=8, group_size=4, max_inflight_groups=16, decode_slots=32,
+                lengths=lengths, prompt_tokens=4, num_steps=80, weight_sync_s=0.0,
+                length_buckets=(64,),
+                sampler=SamplerModel(base_s=0.01, per_seq_s=0.0, per_ctx_token_s=0.0))
+  looped = profile_lib.steady_state(planner.simulate(_scenario(
+      **common, trainer=TrainerModel(fixed_s=0.5, tokens_per_s_per_device=1e12,
+                                     loop_s=0.1))).rows)
+  assert looped["steps_per_hour"] == pytest.approx(3600 / 0.6, rel=0.01)
+  assert looped["trainer_busy_frac"] == pytest.approx(0.5 / 0.6, rel=0.01)
+
+
+@pytest.mark.parametrize("lag", [0, 4])
+def test_pipeline_lag_holds_each_slot_one_call_longer(lag):
+  """Groups of 4 samples of exactly 20 tokens, 4 slots (one group at a time), decode step
+  0.01 s, 4 steps per call, instant verifier, trainer and sync: the sampler sets the
+  pace. A group holds the slots for 20 + lag steps (the generator reads a call after
+  dispatching the next one), so an optimizer step of one group takes (20 + lag) x 0.01 s,
+  while the tokens counted stay 20 per sample."""
+  sc = _scenario(groups_per_step=1, group_size=4, max_inflight_groups=3, decode_slots=4,
+                 lengths=LengthModel(kind="empirical", max_tokens=32, values=(20.0,)),
+                 prompt_tokens=4, num_steps=60, weight_sync_s=0.0, length_buckets=(64,),
+                 steps_per_call=4, pipeline_lag_steps=lag,
+                 trainer=TrainerModel(fixed_s=0.0, tokens_per_s_per_device=1e15))
+  pred = planner.simulate(sc)
+  steady = profile_lib.steady_state(pred.rows)
+  assert steady["steps_per_hour"] == pytest.approx(3600 / ((20 + lag) * 0.01), rel=1e-6)
+  # The lag steps emit no tokens: 20 per finished sample (the run ends between groups).
+  assert pred.sampler_tokens_per_s * pred.wall_s == pytest.approx(20 * pred.rollouts_generated)
+  assert {r["lengths/p50"] for r in pred.rows} == {20.0}
+
+
+def test_loop_time_fit_uses_steps_whose_batch_was_queued():
+  """Train steps of 0.4 s; a row whose row before shows a whole batch queued (depth >=
+  groups_per_step = 16) starts 0.1 s after the step before it ends (the loop's time); the
+  others wait 0.5 s more for data. The fit takes 0.1 s from the first kind only; a run
+  that never had a batch queued fits 0."""
+  cfg = _cfg("--config.rl.groups_per_step=16", "--config.mesh.trainer.data=1",
+             "--config.mesh.trainer.fsdp=1", "--config.mesh.trainer.tensor=1")
+  def rows_of(depth_of):
+    rows, t, busy, prev_depth = [], 0.0, 0.0, 0
+    for step in range(1, 41):
+      t += (0.1 if prev_depth >= 16 else 0.6) + 0.4
+      busy += 0.4
+      prev_depth = depth_of(step)
+      rows.append({"step": step, "time_s": t, "trainer/busy_frac": busy / t,
+                   "trainer/padded_tokens": 16 * 4 * 64, "queue/depth": prev_depth})
+    return rows
+  notes = []
+  ready = profile_lib.Pilot(workdir="w", cfg=cfg, summary={},
+                            rows=rows_of(lambda k: 16 if k % 3 else 5))
+  fitted = profile_lib.fit_trainer(ready, prompt_tokens=8, trainer_devices=1,
+                                   scaling_efficiency=0.9, notes=notes)
+  assert fitted.loop_s == pytest.approx(0.1, abs=1e-9)
+  assert fitted.step_s(tokens=16 * 4 * 64, devices=1) == pytest.approx(0.4, rel=1e-6)
+  assert any("between steps" in n for n in notes)
+  starved = profile_lib.Pilot(workdir="w", cfg=cfg, summary={}, rows=rows_of(lambda k: 0))
+  assert profile_lib.fit_trainer(starved, prompt_tokens=8, trainer_devices=1,
+                                 scaling_efficiency=0.9, notes=[]).loop_s == 0.0
+
+
 @pytest.mark.parametrize("lane, finish_s", [(0, 0.10), (8, 0.13), (3, 0.10)])
 def test_prefill_lane_paces_new_prompts(lane, finish_s):
   """8 single-sample groups of 10 tokens, prompts of 5 (4 cached), 32 slots, decode

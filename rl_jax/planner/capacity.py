@@ -219,6 +219,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
   if uniform_rate is None:
     uniform_rate = profile.uniform_rate if profile is not None else 0.0
   from rl_jax.sampler.engine import resolve_steps_per_call
+  spc = resolve_steps_per_call(s.steps_per_call)
   return Scenario(
       mode=rl.mode, groups_per_step=int(rl.groups_per_step), group_size=int(rl.group_size),
       max_staleness=int(staleness), max_inflight_groups=int(inflight),
@@ -230,7 +231,7 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       verifier=verifier.scaled(verifier_scale) if verifier_scale != 1.0 else verifier,
       sampler=sampler, sampler_replicas=replicas, decode_slots=replicas * slots,
       trainer=trainer, trainer_devices=layout.trainer_devices, weight_sync_s=float(sync_s),
-      colocated=layout.colocated, steps_per_call=resolve_steps_per_call(s.steps_per_call),
+      colocated=layout.colocated, steps_per_call=spc, pipeline_lag_steps=spc,
       seed=int(cfg.seed),
       turns=turns, max_live_sequences=replicas * live if turns is not None else 0,
       sampler_share=profile.sampler_share if profile is not None else 1.0,

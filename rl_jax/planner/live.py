@@ -20,7 +20,7 @@ over half a window.
            window saw the sampler decode that few sequences per step: below that the
            fitted decode model would be extrapolated) at the chosen b. Each
            pick is the smallest value whose predicted steps/hour is within `tolerance`
-           (3%) of the best evaluated: the fewest groups in flight (least staleness,
+           (TOLERANCE, 1%) of the best evaluated: the fewest groups in flight (least staleness,
            fewest discards) that keeps the trainer as busy, i.e. sampling rate
            lambda ~= training rate mu at the configured bound.
   errors   (predicted - measured) / max(measured, floor) of steps/hour, queue depth and
@@ -120,7 +120,13 @@ def observed_active(cfg, rows: list[dict]) -> float | None:
   return float(np.percentile(active, 10)) if len(active) else None
 
 
-def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = 0.03,
+# The steps/hour a decision may give up for fewer groups in flight. Small: the goal is a
+# trainer as busy as at the largest bound (a 3% tolerance lost 2-8% of the trainer's busy
+# time where the refit's knee was optimistic; notes/TUNING.md, session 12).
+TOLERANCE = 0.01
+
+
+def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = TOLERANCE,
            device: DeviceSpec = DEVICES["h200"], min_active: float | None = None) -> Decision:
   """The admission bound and decode slots for the next window (module docstring).
   `min_active` (observed_active): half the slots is an option only when the window saw

@@ -21,7 +21,9 @@ Trainer (time of one optimizer step on D trainer devices):
   D_eff = 1 + scaling_efficiency * (D - 1)
 
   tokens = padded tokens of the batch (rows x length bucket), because the train step
-  computes over the padded batch.
+  computes over the padded batch. Between two steps the trainer spends loop_s of host
+  time not training (the loop's metrics row, the publication's wait for the sampler's
+  call boundary, taking the next batch) even when the batch is waiting in the queue.
 
 Tool use (`TurnModel`): an episode alternates K decode segments (model turns) and K - 1
 tool waits; while it waits, a sequence holds its KV pages but no decode slot.
@@ -83,6 +85,8 @@ class TrainerModel:
   # XLA compiles the train step once per new batch shape (length bucket): the first
   # step at a shape takes this much longer (fitted from a pilot; 0 for priors).
   compile_s: float = 0.0
+  # Host time between two steps with the next batch already queued (not trainer busy).
+  loop_s: float = 0.0
 
   def effective_devices(self, devices: int) -> float:
     return 1.0 + self.scaling_efficiency * (devices - 1)

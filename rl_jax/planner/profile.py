@@ -26,6 +26,10 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
             shape (padded tokens per step) not seen in any earlier row hold that shape's
             XLA compilation: they are left out, and their mean excess over the fitted
             step time is compile_s, which the simulation charges once per new shape.
+            loop_s = median of dt_i - busy_i over the one-step rows whose row before
+            shows a whole batch queued (queue/depth >= groups_per_step): the loop's
+            host time between steps, not waiting for data (needs MIN_READY_STEPS such
+            rows, else 0).
   lengths   summary completion_lengths when present (empirical), else a lognormal:
             median = mean of lengths/p50, sigma = ln(p90 / p50) / 1.2816, or from the
             truncation rate when p90 sits at the cap; drift = exp(slope) - 1 of
@@ -60,6 +64,8 @@ from rl_jax.errors import UserError
 from rl_jax.planner import contention as contention_lib
 from rl_jax.planner.models import LengthModel, SamplerModel, TrainerModel, TurnModel, VerifierModel
 from rl_jax.tasks.latency import Latency
+
+MIN_READY_STEPS = 3  # rows with a whole batch queued needed to fit TrainerModel.loop_s
 
 
 class ProfileError(UserError, ValueError):
@@ -308,9 +314,14 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
       if shape not in seen:
         seen.add(shape)
         first.add(r["step"])
-  prev, a, y, compile_rows = base, [], [], []
+  prev, a, y, compile_rows, idle = base, [], [], [], []
   for row in win:
     steps = row["step"] - prev["step"]
+    if (steps == 1 and "trainer/busy_frac" in row and
+        prev.get("queue/depth", 0) >= cfg.rl.groups_per_step):
+      # The batch was queued when the step before ended: the gap is the loop's own.
+      idle.append(row["time_s"] - prev["time_s"] -
+                  (_busy_s(row, "trainer/busy_frac") - _busy_s(prev, "trainer/busy_frac")))
     if "trainer/busy_frac" in row:
       busy = contention.alone_busy_s(
           "trainer", _busy_s(row, "trainer/busy_frac") - _busy_s(prev, "trainer/busy_frac"),
@@ -354,8 +365,14 @@ def fit_trainer(pilot: Pilot, *, prompt_tokens: int, trainer_devices: int,
                                for st, tok, t in compile_rows]))
     notes.append(f"trainer: {len(compile_rows)} step(s) at a new batch shape left out of the "
                  f"fit; compilation {compile_s:.3g}s per new shape")
+  loop_s = 0.0
+  if len(idle) >= MIN_READY_STEPS:
+    loop_s = max(float(np.median(idle)), 0.0)
+    notes.append(f"trainer: {loop_s:.3g}s of host time between steps whose batch was "
+                 f"queued (median of {len(idle)})")
   return TrainerModel(fixed_s=float(fixed), tokens_per_s_per_device=1.0 / (inv_rate * eff),
-                      scaling_efficiency=scaling_efficiency, compile_s=compile_s)
+                      scaling_efficiency=scaling_efficiency, compile_s=compile_s,
+                      loop_s=loop_s)
 
 
 def _decode_rows(base: dict, win: list[dict], steps_per_call: int):

@@ -36,6 +36,11 @@ class Scenario:
   weight_sync_s: float
   colocated: bool = False
   steps_per_call: int = 1
+  # Decode steps a sequence holds its slot beyond its own tokens. The generator
+  # dispatches each call before it reads the previous one (rl_jax.sampler.generator), so
+  # a sequence that stops in one call is decoded for nothing in the next, and its slot
+  # takes new work one call later: capacity.scenario sets steps_per_call.
+  pipeline_lag_steps: int = 0
   seed: int = 0
   turns: TurnModel | None = None  # None: single-turn rollouts
   max_live_sequences: int = 0  # sequences whose KV fits at once; 0: no limit

@@ -38,7 +38,9 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               when the policy publishes after that step, bumps the version and publishes
               for weight_sync_s (trainer busy throughout); held groups are released when
               the policy releases credit. The first step at each padded batch shape also
-              pays TrainerModel.compile_s (XLA compiles per shape).
+              pays TrainerModel.compile_s (XLA compiles per shape). After each step the
+              trainer takes no batch for TrainerModel.loop_s (the loop's host work
+              between steps; not busy).
   colocated   one device set: a full batch starts training at the sampler's next step
               boundary, and the sampler stays paused while the trainer trains and publishes.
   tool use    with Scenario.turns (a TurnModel), a rollout's model tokens split into K
@@ -100,7 +102,8 @@ class _Sim:
     # Sampler state: parallel arrays over active sequences (and the segments each has
     # left after its current one), then the resumed and pending lines; a line entry is
     # (group, segment tokens, context, later segments, tokens its start prefills).
-    self.rem = np.zeros(0, np.int64)
+    self.rem = np.zeros(0, np.int64)  # decode steps until the slot frees (tokens + lag)
+    self.tok = np.zeros(0, np.int64)  # tokens still to emit
     self.ctx = np.zeros(0, np.int64)
     self.gid = np.zeros(0, np.int64)
     self.rest: list[tuple[int, ...]] = []
@@ -129,6 +132,7 @@ class _Sim:
     self.batch: list[_Group] = []
     self.batch_staleness: list[int] = []
     self.trainer_busy = False
+    self.between = False  # in TrainerModel.loop_s after a step: takes no batch
     # The train step or publication in progress (alone seconds at a contention rate),
     # what its end event is, and that event's token (older ones are stale).
     self.job: Progress | None = None
@@ -222,8 +226,9 @@ class _Sim:
     seg, self.segment = self.segment, None
     if seg is not None:
       self.sampler_busy_s += now - seg.t0
-      took = np.minimum(self.rem, steps)
-      self.rem = self.rem - took
+      took = np.minimum(self.tok, steps)
+      self.rem = self.rem - np.minimum(self.rem, steps)
+      self.tok = self.tok - took
       self.ctx = self.ctx + took
       self.sampler_tokens += int(took.sum())
       self.decode_steps += steps
@@ -236,7 +241,8 @@ class _Sim:
             self.row_lengths.append(int(self.ctx[i]) - sc.prompt_tokens)
             self._rollout_finished(now, int(self.gid[i]))
         keep = ~done
-        self.rem, self.ctx, self.gid = self.rem[keep], self.ctx[keep], self.gid[keep]
+        self.rem, self.tok = self.rem[keep], self.tok[keep]
+        self.ctx, self.gid = self.ctx[keep], self.gid[keep]
         self.rest = [r for r, k in zip(self.rest, keep) if k]
     if self.pending_version is not None and (sc.inflight_weight_updates or len(self.rem) == 0):
       self.sampler_version, self.pending_version = self.pending_version, None
@@ -268,7 +274,8 @@ class _Sim:
       group.min_version = min(group.min_version, self.sampler_version)
     if starting:
       g, n, ctx, rest, _ = zip(*starting)
-      self.rem = np.concatenate([self.rem, n])
+      self.rem = np.concatenate([self.rem, np.asarray(n, np.int64) + sc.pipeline_lag_steps])
+      self.tok = np.concatenate([self.tok, n])
       self.ctx = np.concatenate([self.ctx, ctx])
       self.gid = np.concatenate([self.gid, g])
       self.rest.extend(rest)
@@ -391,7 +398,7 @@ class _Sim:
         return
       self.queue.append(gid)
       self.q_max = max(self.q_max, len(self.queue))
-      if not self.trainer_busy:
+      if not self.trainer_busy and not self.between:
         self._pull(now)
 
   def _filters(self) -> bool:
@@ -492,7 +499,11 @@ class _Sim:
     if self.held:
       self.held = False
     self._poke(now)  # new weights, or admission room released
-    self._pull(now)
+    if self.sc.trainer.loop_s > 0:
+      self.between = True
+      self.events.push(now + self.sc.trainer.loop_s, "loop", None)
+    else:
+      self._pull(now)
 
   def _write_row(self, now: float, published_s: float) -> None:
     self._note_change(now)
@@ -553,6 +564,9 @@ class _Sim:
         self._verified(now, payload)
       elif kind == "tool":
         self._tool_done(now, payload)
+      elif kind == "loop":
+        self.between = False
+        self._pull(now)
       elif kind == "job" and payload == self.job_token:  # a train step's or publication's end
         kind, start = self.job_end
         self.job = None
