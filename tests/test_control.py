@@ -150,6 +150,12 @@ def test_active_sequences_per_decode_step_of_a_window():
   np.testing.assert_allclose(got, [400 * 2 / 20, 960 * 1 / 40, 640 * 0.5 / 32])
   assert len(profile_lib.active_per_decode_step(
       [{"step": 0, "time_s": 0.0}, {"step": 1, "time_s": 1.0}], 4)) == 0
+  # With completion lengths logged, each emitting sequence also holds its slot one call
+  # (4 steps) after its last token: (12 + 4) / 12 slots per emitting sequence.
+  for r, p50 in zip(rows[1:], [10.0, 14.0, 12.0, 12.0, 12.0]):
+    r["lengths/p50"] = p50
+  np.testing.assert_allclose(profile_lib.active_per_decode_step(rows, steps_per_call=4),
+                             np.asarray([40.0, 24.0, 10.0]) * 16 / 12)
 
 
 @pytest.mark.parametrize("resolution", [1, 8])
@@ -322,6 +328,31 @@ def test_an_inline_executor_decides_as_the_synchronous_controller():
   assert [(d["step"], d["applied_step"]) for d in ctl.decisions] == [(11, 11), (21, 21)]
 
 
+def test_the_loops_process_executor_decides_as_the_inline_one():
+  """make_executor (a spawned process, JAX on the CPU there) gives the window's decision
+  and prediction that the same computation gives in this process."""
+  cfg = _cfg()
+  pool = control.make_executor()
+  try:
+    assert pool.submit(os.getenv, "JAX_PLATFORMS").result(120) == "cpu"
+    ex = _Recorded(pool)
+    far, near = _controller(cfg, executor=ex), _controller(cfg)
+    rows = _rows(cfg, _profile(train_fixed_s=1e-3, decode_step_s=2e-3), 13)
+    for r in rows[:11]:
+      far.after_row(r["step"], r)
+      near.after_row(r["step"], r)
+    assert len(ex.futures) == 1
+    ex.futures[0].result(120)
+    out = far.after_row(rows[11]["step"], rows[11])  # applied on the next row
+    assert out["control/apply_lag_steps"] == 1
+    (got,), (want,) = far.decisions, near.decisions
+    assert (got["step"], got["applied_step"], want["applied_step"]) == (11, 12, 11)
+    for k in ("admission_bound", "decode_slots", "predicted"):
+      assert got[k] == want[k], k
+  finally:
+    pool.shutdown(wait=True)
+
+
 def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   cfg = _cfg()
   ex = _Held()
@@ -342,7 +373,8 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   out = feed(1, 25)
   # The first window ends at step 11; while its computation is held no other window
   # is measured (step 21 would have ended one), and the config's settings stay.
-  assert len(ex.jobs) == 1 and ex.jobs[0][2][0] == 11
+  # compute(cfg, policy, every, memory_gib, step, ...): the job of the window ending at 11.
+  assert len(ex.jobs) == 1 and ex.jobs[0][1] is control.compute and ex.jobs[0][2][4] == 11
   assert [o["control/admission_bound"] for o in out] == [24] * 25
   assert all(set(o) == {"control/admission_bound", "control/decode_slots"} for o in out)
   assert ctl.summary()["control_decisions"] == [{"step": 11, "skipped": "the run ended first"}]
@@ -366,7 +398,7 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   feed(27, 35)
   assert ex.jobs == []
   feed(36, 36)
-  ((_, _, (end, win, counts, predicted)),) = ex.jobs
+  ((_, _, (*_, end, win, counts, predicted)),) = ex.jobs
   assert end == 36 and [r["step"] for r in win] == list(range(26, 37))
   assert win[-1] == rows[35]  # the window's rows as they were at its end
   assert counts[live.FILTER_COUNTS[1]] == 2 * 10

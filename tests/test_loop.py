@@ -1,4 +1,5 @@
 """The sync/async pipeline end to end on a tiny workload: the DESIGN.md contracts."""
+import concurrent.futures
 import json
 import os
 import threading
@@ -133,20 +134,19 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
                  # completions span a publication (checked below); on one device the
                  # sampler finishes its admitted groups before the trainer publishes.
                  "--config.mesh.sampler.data=4")
-  kv_bytes, threads, pools = [], [], []
+  kv_bytes, calls, pools = [], [], []
 
   def awaited(pipe):
-    # Each window's computation runs on the loop's control thread and is waited for at
-    # submit: applied at its window's end whatever the load (tests/test_control.py
-    # covers a late application).
+    # The loop's executor is a process of its own (control.make_executor; it decides as
+    # this process does: tests/test_control.py). Here each window's computation runs at
+    # submit, in this process (where `stalled` is patched): applied at its window's end
+    # whatever the load (tests/test_control.py covers a late application).
     pools.append(pipe.control.executor)
 
     def submit(fn, *args):
-      def run():
-        threads.append(threading.current_thread().name)
-        return fn(*args)
-      future = pools[0].submit(run)
-      future.result()
+      calls.append(fn)
+      future = concurrent.futures.Future()
+      future.set_result(fn(*args))
       return future
     pipe.control.executor = types.SimpleNamespace(submit=submit)
 
@@ -164,7 +164,8 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
   lo, hi = pipe.policy.admission_range()
   decisions = summary["control_decisions"]
   assert [(d["step"], d["applied_step"]) for d in decisions] == [(4, 4)]
-  assert threads == ["control_0"]
+  assert calls == [control.compute]
+  assert isinstance(pools[0], concurrent.futures.ProcessPoolExecutor)
   with pytest.raises(RuntimeError):  # run() shut the loop's control executor down
     pools[0].submit(int)
   assert all(lo <= d["admission_bound"] <= hi for d in decisions)

@@ -6,7 +6,8 @@ decision was applied, so that a window is measured under the decision made for i
 `Controller.after_row` runs on the trainer thread after each step's metrics row; at a
 window's end it only takes the window's measurement (its metrics rows with the row
 before it, the increase of the filter-rate counters, the sampler/trainer busy
-intervals) and submits the work to the loop's background executor (one worker), which:
+intervals) and submits the work to the loop's executor (make_executor: one process of
+its own, so the computation never holds the run's GIL), which:
   1. checks the window's prediction against this measurement
      (rl_jax.planner.live.errors -> control/*_error);
   2. refits the planner's models from the window with rl_jax.planner.capacity.refit, the
@@ -20,8 +21,8 @@ the staleness rule) and Generator.slot_limit; it writes the control/* metrics on
 row, prints each distinct advice once as --config overrides (kept for summary.json,
 control_advice), and starts the next window at that step. One computation is in flight
 at most: no window is measured while one is (its rows ran under the old decision), so a
-window end cannot find one running. control/seconds is the computation's own time, off
-the trainer thread; control/apply_lag_steps the steps from the window's end to the
+window end cannot find one running. control/seconds is the computation's own time, in
+its process; control/apply_lag_steps the steps from the window's end to the
 application (0 when the work was done before the window's own row was written). A
 computation still in flight when the run ends is not applied (summary.json: skipped,
 "the run ended first").
@@ -31,14 +32,19 @@ mode admits one batch per step at its barrier, so the controller never acts ther
 sync run stays reproducible bit for bit; a multi-process run keeps its settings (the
 followers replay the leader's admissions, not its slot limit).
 A window whose refit fails (e.g. no trainer time in it; any other error in the
-window's computation is logged with its traceback, from the executor's thread), or that held a stall (a step
-taking over STALL x the window's median step time: an XLA compilation of a new shape,
-minutes on a loaded CPU), keeps the settings and makes no prediction; noted once.
+window's computation is logged with its traceback, by the executor's process), or that
+held a stall (a step taking over STALL x the window's median step time: an XLA
+compilation of a new shape, minutes on a loaded CPU), keeps the settings and makes no
+prediction; noted once.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import copy
 import logging
+import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -75,6 +81,56 @@ def device_memory_gib() -> float | None:
 STALL = 10.0
 
 
+def _child_init() -> None:
+  # The computation needs no accelerator: a JAX imported by the planner stays on the CPU
+  # (a TPU or GPU is the run's; a second process must not open it).
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _warm() -> None:
+  from rl_jax.planner import live  # noqa: F401  (imports once, during the first window)
+
+
+def make_executor() -> concurrent.futures.Executor:
+  """The loop's executor for the window computations: one spawned process. A thread of
+  the run's own process would share its GIL: on the 2-core CPU a window's computation
+  (about 1 s alone) made the pipeline's steps 23% slower for the 7 steps it took."""
+  pool = concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init)
+  pool.submit(_warm)
+  return pool
+
+
+def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: list[dict],
+            counts: dict, predicted) -> dict:
+  """A window's computation, on the executor (module docstring): the check of
+  `predicted` against the window, the refit, the decision and the advice; any error
+  becomes "reason". Reads only its arguments (picklable: a process runs it)."""
+  from rl_jax.planner import capacity, live, profile as profile_lib
+  t0 = time.perf_counter()
+  res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": ""}
+  try:
+    res["measured"] = measured = profile_lib.steady_state(rows, skip_frac=0.0)
+    if predicted is not None:
+      res["errors"] = live.errors(predicted, measured)
+    stall = stalled(rows)
+    if stall:
+      res["reason"] = f"a {stall:.0f}s step (an XLA compilation?)"
+    else:
+      profile = capacity.refit(live.window_pilot(cfg, rows, counts))
+      res["decision"] = live.decide(cfg, profile, policy, window_steps=every,
+                                    min_active=live.observed_active(cfg, rows))
+      res["advice"] = live.advise(cfg, profile, num_steps=max(every // 2, 3),
+                                  memory_gib=memory_gib)
+  except UserError as e:
+    res["reason"] = f"no refit: {e}"
+  except Exception as e:  # noqa: BLE001  (the controller only tunes: the run goes on)
+    res["reason"] = f"a controller error ({type(e).__name__}: {e})"
+    logging.exception("control: the window ending at step %d failed", step)
+  res["seconds"] = time.perf_counter() - t0
+  return res
+
+
 def stalled(rows: list[dict]) -> float:
   """The longest step time of the window's rows when it exceeds STALL x their median,
   else 0 (rows[0] is the row before the window)."""
@@ -88,8 +144,8 @@ def stalled(rows: list[dict]) -> float:
 
 class Controller:
   """Owns the window's rows and the decisions; called by the trainer thread only. Its
-  `executor` (concurrent.futures.Executor-like: submit(fn, *args) -> Future) runs each
-  window's computation, which reads only the controller's fixed fields."""
+  `executor` (concurrent.futures.Executor-like: submit(fn, *args) -> Future; the loop's
+  is make_executor()) runs each window's computation (`compute`) on its arguments."""
 
   def __init__(self, cfg, *, policy, queue, worker, accounting, console, executor):
     self.cfg, self.policy, self.queue = cfg, policy, queue
@@ -99,6 +155,11 @@ class Controller:
     self.bound = policy.max_inflight
     self.slots = int(cfg.sampler.max_concurrent_decodes)
     self.memory_gib = device_memory_gib()  # restart advice must fit the run's devices
+    # The config the computation reads: steps_per_call resolved here, so that it never
+    # asks JAX for a backend.
+    from rl_jax.sampler.engine import resolve_steps_per_call
+    self._plan_cfg = copy.deepcopy(cfg)
+    self._plan_cfg.sampler.steps_per_call = resolve_steps_per_call(cfg.sampler.steps_per_call)
     self._rows: list[dict] = []  # the row before the window, then the window's rows
     self._start: int | None = None  # the step the window starts after
     self._counts: dict[str, int] = collections.Counter()
@@ -143,35 +204,9 @@ class Controller:
     start = rows[0]["time_s"]
     counts["timeline"] = {"sampler": self.acc.sampler_busy.recent(5000, since=start),
                           "trainer": self.acc.trainer_busy.recent(5000, since=start)}
-    self._pending = (step, self.executor.submit(self._compute, step, rows, counts,
-                                                self._predicted))
-
-  def _compute(self, step: int, rows: list[dict], counts: dict, predicted) -> dict:
-    """On the executor's thread: the check of `predicted` against the window, the refit,
-    the decision and the advice; any error becomes "reason" (module docstring)."""
-    from rl_jax.planner import capacity, live, profile as profile_lib
-    t0 = time.perf_counter()
-    res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": ""}
-    try:
-      res["measured"] = measured = profile_lib.steady_state(rows, skip_frac=0.0)
-      if predicted is not None:
-        res["errors"] = live.errors(predicted, measured)
-      stall = stalled(rows)
-      if stall:
-        res["reason"] = f"a {stall:.0f}s step (an XLA compilation?)"
-      else:
-        profile = capacity.refit(live.window_pilot(self.cfg, rows, counts))
-        res["decision"] = live.decide(self.cfg, profile, self.policy, window_steps=self.every,
-                                      min_active=live.observed_active(self.cfg, rows))
-        res["advice"] = live.advise(self.cfg, profile, num_steps=max(self.every // 2, 3),
-                                    memory_gib=self.memory_gib)
-    except UserError as e:
-      res["reason"] = f"no refit: {e}"
-    except Exception as e:  # noqa: BLE001  (the controller only tunes: the run goes on)
-      res["reason"] = f"a controller error ({type(e).__name__}: {e})"
-      logging.exception("control: the window ending at step %d failed", step)
-    res["seconds"] = time.perf_counter() - t0
-    return res
+    self._pending = (step, self.executor.submit(
+        compute, self._plan_cfg, self.policy, self.every, self.memory_gib, step, rows, counts,
+        self._predicted))
 
   def _take(self, end: int, step: int, res: dict) -> dict:
     """Applies the computation of the window that ended at step `end`, at step `step`:

@@ -99,8 +99,8 @@ class Pipeline:
     self._make_workers()
     self.control = self._controls = None
     if control.active(cfg, jax.process_count()):
-      # The controller's refit, decision and advice run here, off the trainer thread.
-      self._controls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="control")
+      # The controller's refit, decision and advice run in a process of their own.
+      self._controls = control.make_executor()
       self.control = control.Controller(
           cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
           console=self.console, executor=self._controls)

@@ -10,7 +10,8 @@ of a role in that interval = busy_frac_i * time_s_i - busy_frac_{i-1} * time_s_{
 
   sampler   with sampler/generate_calls (cumulative, as loop.py logs it): decode steps
             k_i = its increase * sampler.steps_per_call, step_i = busy_i / k_i,
-            active_i = tokens_i / k_i (tokens_i = sampler/tokens_per_s * dt_i),
+            active_i = tokens_i / k_i (tokens_i = sampler/tokens_per_s * dt_i) times
+            slot_occupancy (a sequence also holds its slot one call after its tokens),
             then non-negative least squares of step_i on [1, active_i / R,
             active_i * context_i / R], weighted by k_i (so the fit keeps the total busy
             seconds), kept when it explains 20% more than a constant.
@@ -385,6 +386,13 @@ def _decode_rows(base: dict, win: list[dict], steps_per_call: int):
     prev = row
 
 
+def slot_occupancy(mean_len: float, steps_per_call: int) -> float:
+  """Slots held per sequence that emits a token: a sequence holds its slot for its
+  tokens and one call more (Scenario.pipeline_lag_steps), so a decode step runs
+  (mean_len + steps_per_call) / mean_len sequences per token it emits."""
+  return (max(mean_len, 1.0) + steps_per_call) / max(mean_len, 1.0)
+
+
 def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel,
                        replicas: int, notes: list[str],
                        contention: contention_lib.Contention | None = None) -> SamplerModel | None:
@@ -397,6 +405,7 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
   from rl_jax.sampler.engine import resolve_steps_per_call  # "auto": this machine's backend
   spc = resolve_steps_per_call(pilot.cfg.sampler.steps_per_call)
   mean_len = float(np.mean(lengths.sample(np.random.default_rng(0), 4096)))
+  occupancy = slot_occupancy(mean_len, spc)
   a, y, w = [], [], []
   for prev, row, steps, tokens in _decode_rows(base, win, spc):
     busy = contention.alone_busy_s(
@@ -404,7 +413,7 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
         prev["time_s"], row["time_s"])
     if steps <= 0 or busy <= 0:
       continue
-    active = tokens / steps
+    active = tokens / steps * occupancy
     ctx = row.get("sampler/mean_context", prompt_tokens + mean_len / 2)
     a.append([1.0, active / replicas, active * ctx / replicas])
     y.append(busy / steps)
@@ -427,12 +436,15 @@ def fit_sampler_direct(pilot: Pilot, *, prompt_tokens: int, lengths: LengthModel
 
 def active_per_decode_step(rows: list[dict], steps_per_call: int) -> np.ndarray:
   """Sequences per decode step (all replicas together) of each row of the window that
-  decoded: the sampler's tokens since the row before over its decode steps (the `active`
-  of fit_sampler_direct). Empty when the rows log no generate calls."""
+  decoded: the sampler's tokens since the row before over its decode steps, times
+  slot_occupancy at the window's mean lengths/p50 (the `active` of fit_sampler_direct).
+  Empty when the rows log no generate calls."""
   base, win = window(rows)
   if not win or "sampler/generate_calls" not in win[-1]:
     return np.zeros(0)
-  return np.asarray([tokens / steps for _, _, steps, tokens in
+  p50 = [r["lengths/p50"] for r in win if r.get("lengths/p50")]
+  occupancy = slot_occupancy(float(np.mean(p50)), steps_per_call) if p50 else 1.0
+  return np.asarray([tokens / steps * occupancy for _, _, steps, tokens in
                      _decode_rows(base, win, steps_per_call) if steps > 0], np.float64)
 
 
