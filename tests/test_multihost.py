@@ -48,6 +48,14 @@ def _env(**extra) -> dict:
   return env
 
 
+def _xla_flags(devices: int) -> str:
+  """This session's XLA_FLAGS (tests/conftest.py: the fast-compile ones) with `devices`
+  host devices instead of 8."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def _launch(flags_by_process, workdir, timeout=240, **extra):
   """Starts one train.py per entry of flags_by_process; returns their CompletedProcess-like
   (returncode, stdout, stderr) tuples."""
@@ -56,7 +64,7 @@ def _launch(flags_by_process, workdir, timeout=240, **extra):
   for i, flags in enumerate(flags_by_process):
     env = _env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                JAX_NUM_PROCESSES=str(len(flags_by_process)), JAX_PROCESS_ID=str(i),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", **extra)
+               XLA_FLAGS=_xla_flags(4), **extra)
     procs.append(subprocess.Popen(
         [sys.executable, TRAIN, *flags, "--workdir", str(workdir)], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -80,7 +88,7 @@ def _last_line(text: str) -> str:
 def test_unreachable_coordinator_fails_fast_with_one_line(tmp_path):
   env = _env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2",
              JAX_PROCESS_ID="1", RL_JAX_INIT_TIMEOUT_S="3",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=_xla_flags(4))
   p = subprocess.run([sys.executable, TRAIN, *TINY, "--workdir", str(tmp_path)], cwd=ROOT,
                      env=env, capture_output=True, text=True, timeout=120)
   assert p.returncode != 0
