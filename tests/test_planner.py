@@ -1,6 +1,5 @@
 """Tests of rl_jax.planner: queueing against closed forms, the sync barrier, the seed's
 eight-GPU exercise, memory arithmetic of the real presets, profile fitting, the CLI."""
-import heapq
 import json
 import math
 import os
@@ -82,27 +81,28 @@ def test_length_draws_of_a_very_wide_refit_do_not_overflow():
     assert got.min() >= 1 and got.max() <= 24
 
 
-def test_single_server_queue_matches_mm1_wait():
-  """Poisson arrivals (rate lam), exponential service (rate mu), one server:
-  mean wait in line Wq = rho / (mu - lam), rho = lam / mu."""
-  lam, mu, n = 0.5, 1.0, 60000
+@pytest.mark.parametrize("servers", [1, 3])
+def test_server_pool_matches_mmc_wait(servers):
+  """Poisson arrivals (rate lam), exponential service (rate mu), c servers, FIFO: the
+  mean wait in line is Erlang C's, Wq = C(c, a) / (c mu - lam), a = lam / mu,
+  C = (a^c / c!) (c / (c - a)) / (sum_{k<c} a^k / k! + (a^c / c!) (c / (c - a)))."""
+  lam, mu, n = 0.5 * servers, 1.0, 60000
   rng = np.random.default_rng(0)
   arrivals = np.cumsum(rng.exponential(1 / lam, n))
-  pool = planner.ServerPool(1)
-  events = [(t, 0, i) for i, t in enumerate(arrivals)]  # kind 0 arrival, 1 departure
-  heapq.heapify(events)
-  while events:
-    t, kind, i = heapq.heappop(events)
-    if kind == 0:
-      done = pool.arrive(t, i, rng.exponential(1 / mu))
-    else:
-      nxt = pool.depart(t)
-      done = None if nxt is None else nxt[0]
-    if done is not None:
-      heapq.heappush(events, (done, 1, i))
-  expected = (lam / mu) / (mu - lam)
+  pool = planner.ServerPool(servers)
+  service = rng.exponential(1 / mu, n)
+  finish = [pool.arrive(t, s) for t, s in zip(arrivals, service)]
+  a, c = lam / mu, servers
+  top = a**c / math.factorial(c) * c / (c - a)
+  erlang_c = top / (sum(a**k / math.factorial(k) for k in range(c)) + top)
+  expected = erlang_c / (c * mu - lam)
   assert pool.started == n
   assert pool.mean_wait_s == pytest.approx(expected, rel=0.06)
+  # Each finish is its start (arrival, or a server freeing) plus its own service.
+  waits = np.asarray(finish) - arrivals - service
+  assert waits.min() >= -1e-9 and np.mean(waits) == pytest.approx(pool.mean_wait_s)
+  with pytest.raises(ValueError, match=">= 1 server"):
+    planner.ServerPool(0)
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 4])

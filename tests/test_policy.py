@@ -139,7 +139,7 @@ def test_planner_and_loop_take_the_same_decisions(rl):
       gid, version = verifying.popleft()
       queue.put(_group(gid, version))
       sim.trainer_busy = True  # the test, not the simulation, decides when to dequeue
-      sim._verified(now, (gid, now))
+      sim._verified(now, gid)
     elif kind == 2 and queue.snapshot()["depth"] and len(batch) < rl["groups_per_step"]:
       group = queue.get(timeout=0)
       loop_accepts = policy.accepts(group.staleness(loop["version"]))

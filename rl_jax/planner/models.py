@@ -164,6 +164,23 @@ class VerifierModel:
         break
     return total
 
+  def service_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    """n service times (service_s's model) drawn together, attempt by attempt."""
+    total = np.zeros(n)
+    going = np.ones(n, bool)  # still attempting
+    for _ in range(self.retries + 1):
+      k = int(going.sum())
+      if not k:
+        break
+      draw = self.base_s + (self.latency.sample(rng, k) if self.latency.kind != "none"
+                            else np.zeros(k))
+      total[going] += np.minimum(draw, self.timeout_s)
+      failed = draw >= self.timeout_s
+      if self.failure_prob > 0:
+        failed |= rng.random(k) < self.failure_prob
+      going[going] = failed
+    return total
+
   def scaled(self, factor: float) -> VerifierModel:
     """Every call `factor` times slower (base and injected latency alike)."""
     lat = dataclasses.replace(self.latency, mean_s=self.latency.mean_s * factor,

@@ -82,35 +82,28 @@ class EventQueue:
 class ServerPool:
   """`servers` identical servers with one FIFO waiting line (the verifier pool).
 
-  arrive() returns the finish time when the item starts at once, else None (it waits);
-  depart() frees a server and returns (finish time, item) of the next waiter, if any.
+  With FIFO service each arrival starts when it arrives or when the earliest of the
+  servers frees, whichever is later, so its finish time is known at arrival:
+  arrive(now, service_s) returns it (no departure events: one event per finish is all a
+  simulation needs). Arrivals must come in time order.
   """
 
   def __init__(self, servers: int):
-    self.free = servers
-    self.line: collections.deque = collections.deque()
+    if servers < 1:
+      raise ValueError(f"a server pool needs >= 1 server, got {servers}")
+    self._free_at = [0.0] * int(servers)  # a heap of the times each server frees
     self.wait_total_s = 0.0
     self.service_total_s = 0.0
     self.started = 0
 
-  def arrive(self, now: float, item, service_s: float) -> float | None:
-    if self.free:
-      self.free -= 1
-      self.started += 1
-      self.service_total_s += service_s
-      return now + service_s
-    self.line.append((now, item, service_s))
-    return None
-
-  def depart(self, now: float):
-    if self.line:
-      arrived, item, service_s = self.line.popleft()
-      self.wait_total_s += now - arrived
-      self.started += 1
-      self.service_total_s += service_s
-      return now + service_s, item
-    self.free += 1
-    return None
+  def arrive(self, now: float, service_s: float) -> float:
+    start = max(now, self._free_at[0])
+    finish = start + service_s
+    heapq.heapreplace(self._free_at, finish)
+    self.wait_total_s += start - now
+    self.service_total_s += service_s
+    self.started += 1
+    return finish
 
   @property
   def mean_wait_s(self) -> float:

@@ -83,8 +83,12 @@ class _Group:
   admitted: float
   lengths: np.ndarray  # completion tokens of each rollout (observations included)
   min_version: float = math.inf
-  verified: int = 0
+  submitted: int = 0  # rollouts handed to the verifier pool
+  ready: float = 0.0  # when the last of them is verified
   prefilled: bool = False  # its prompt went through a pass's prefill lane
+
+
+LENGTH_BLOCK = 64  # groups whose lengths are drawn at once (_Sim._lengths)
 
 
 class _Sim(Report):
@@ -121,6 +125,7 @@ class _Sim(Report):
     self.pending_version: int | None = None
     self.admitted = 0  # groups admitted so far
     self.groups: dict[int, _Group] = {}
+    self._len_block, self._len_step, self._len_at = np.zeros(0, np.int64), -1, 0
     self.next_gid = 0
     self.inflight = 0
     self.queue: collections.deque = collections.deque()
@@ -196,7 +201,7 @@ class _Sim(Report):
     self.admitted += 1
     gid = self.next_gid
     self.next_gid += 1
-    lengths = sc.lengths.sample(self.rng, sc.group_size, step=self.step)
+    lengths = self._lengths()
     if sc.turns is None:
       plans = [(int(n),) for n in lengths]
     else:
@@ -208,6 +213,17 @@ class _Sim(Report):
     self.inflight += 1
     self.pending.extend((gid, p[0], sc.prompt_tokens, p[1:], sc.prompt_tokens) for p in plans)
     return gid
+
+  def _lengths(self) -> np.ndarray:
+    """A new group's completion lengths at the current step: from a block of
+    LENGTH_BLOCK groups' draws made at this step (one draw per group costs more than the
+    rest of its admission)."""
+    g = self.sc.group_size
+    if self._len_step != self.step or self._len_at + g > len(self._len_block):
+      self._len_block = self.sc.lengths.sample(self.rng, g * LENGTH_BLOCK, step=self.step)
+      self._len_step, self._len_at = self.step, 0
+    self._len_at += g
+    return self._len_block[self._len_at - g:self._len_at]
 
   def _boundary(self, now: float, steps: int) -> None:
     """The sampler reached a call boundary after `steps` decode steps of its segment."""
@@ -228,12 +244,14 @@ class _Sim(Report):
       self.decode_steps += steps
       done = self.rem == 0
       if done.any():
-        for i in np.flatnonzero(done):
-          if self.rest[i]:
+        idx = np.flatnonzero(done)
+        if sc.turns is not None:
+          for i in idx[[bool(self.rest[i]) for i in idx]]:
             self._park(now, (int(self.gid[i]), int(self.ctx[i]), self.rest[i]))
-          else:
-            self.row_lengths.append(int(self.ctx[i]) - sc.prompt_tokens)
-            self._rollout_finished(now, int(self.gid[i]))
+          idx = idx[[not self.rest[i] for i in idx]]
+        if len(idx):
+          self.row_lengths.extend((self.ctx[idx] - sc.prompt_tokens).tolist())
+          self._rollouts_finished(now, self.gid[idx].tolist())
         keep = ~done
         self.rem, self.tok = self.rem[keep], self.tok[keep]
         self.ctx, self.gid = self.ctx[keep], self.gid[keep]
@@ -350,14 +368,10 @@ class _Sim(Report):
   def _park(self, now: float, item: tuple) -> None:
     """A segment ended in a tool call: the sequence leaves its slot and waits for it."""
     self.parked += 1
-    finish = self.tools.arrive(now, item, self.sc.turns.tool.service_s(self.rng))
-    if finish is not None:
-      self.events.push(finish, "tool", item)
+    self.events.push(self.tools.arrive(now, self.sc.turns.tool.service_s(self.rng)), "tool",
+                     item)
 
   def _tool_done(self, now: float, item: tuple) -> None:
-    nxt = self.tools.depart(now)
-    if nxt is not None:
-      self.events.push(nxt[0], "tool", nxt[1])
     self._note_change(now)
     self.parked -= 1
     gid, ctx, rest = item
@@ -367,33 +381,33 @@ class _Sim(Report):
 
   # -- verifier and queue ------------------------------------------------------------
 
-  def _rollout_finished(self, now: float, gid: int) -> None:
-    self.generated += 1
-    service_s = self.sc.verifier.service_s(self.rng)
-    self.row_service_s.append(service_s)
-    finish = self.pool.arrive(now, (gid, now), service_s)
-    if finish is not None:
-      self.events.push(finish, "verified", (gid, now))
+  def _rollouts_finished(self, now: float, gids: list[int]) -> None:
+    """Rollouts that finished decoding join the verifier pool, in order; a group's
+    "verified" event is at the finish of its last one (ServerPool knows it at arrival)."""
+    self.generated += len(gids)
+    service = self.sc.verifier.service_times(self.rng, len(gids)).tolist()
+    self.row_service_s.extend(service)
+    for gid, service_s in zip(gids, service):
+      finish = self.pool.arrive(now, service_s)
+      self.row_latency_s.append(finish - now)
+      group = self.groups[gid]
+      group.ready = max(group.ready, finish)
+      group.submitted += 1
+      if group.submitted == self.sc.group_size:
+        self.events.push(group.ready, "verified", gid)
 
-  def _verified(self, now: float, item: tuple[int, float]) -> None:
-    nxt = self.pool.depart(now)
-    if nxt is not None:
-      self.events.push(nxt[0], "verified", nxt[1])
-    gid, submitted = item
-    self.row_latency_s.append(now - submitted)
-    group = self.groups[gid]
-    group.verified += 1
-    if group.verified == self.sc.group_size:
-      self._note_change(now)
-      self.inflight -= 1
-      if self._filters():
-        del self.groups[gid]
-        self._poke(now)  # admission credit returned
-        return
-      self.queue.append(gid)
-      self.q_max = max(self.q_max, len(self.queue))
-      if not self.trainer_busy and not self.between:
-        self._pull(now)
+  def _verified(self, now: float, gid: int) -> None:
+    """Every rollout of group `gid` is verified: it is queued, or filtered."""
+    self._note_change(now)
+    self.inflight -= 1
+    if self._filters():
+      del self.groups[gid]
+      self._poke(now)  # admission credit returned
+      return
+    self.queue.append(gid)
+    self.q_max = max(self.q_max, len(self.queue))
+    if not self.trainer_busy and not self.between:
+      self._pull(now)
 
   def _filters(self) -> bool:
     """Whether a verified group is filtered: uniform with Scenario.uniform_rate (drawn
