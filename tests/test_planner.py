@@ -401,6 +401,28 @@ def test_validate_round_trip_on_simulated_pilot(tmp_path, mode, drop):
   assert "steps_per_hour" in text and "%" in text
 
 
+@pytest.mark.parametrize("timeout_s", [math.inf, 0.15])
+def test_service_times_follow_the_retry_model(timeout_s):
+  """A call of base b + fixed latency m fails with probability p (or at the timeout T,
+  taking T) and is retried r times: E[service] = min(b + m, T) (1 + q + ... + q^r), q
+  the probability an attempt fails (p, or 1 when b + m >= T). The vectorised draws and
+  the one-at-a-time ones follow it."""
+  b, m, p, r = 0.1, 0.1, 0.3, 2
+  model = VerifierModel(latency=Latency(kind="fixed", mean_s=m), workers=1, base_s=b,
+                        timeout_s=timeout_s, failure_prob=p, retries=r)
+  attempt, q = min(b + m, timeout_s), (1.0 if b + m >= timeout_s else p)
+  expected = attempt * sum(q**k for k in range(r + 1))
+  many = model.service_times(np.random.default_rng(0), 40000)
+  rng = np.random.default_rng(1)
+  one = [model.service_s(rng) for _ in range(20000)]
+  assert many.mean() == pytest.approx(expected, rel=0.02)
+  assert np.mean(one) == pytest.approx(expected, rel=0.02)
+  # Every draw is a whole number of attempts, at most r + 1.
+  attempts = many / attempt
+  np.testing.assert_allclose(attempts, np.rint(attempts), atol=1e-9)
+  assert set(np.rint(attempts).astype(int)) <= set(range(1, r + 2))
+
+
 def test_inflight_limit_trades_discards_for_freshness():
   """With the default limit (S + 1) * B a fast sampler admits groups that are consumed
   up to S + 1 versions later; a limit of B keeps staleness lower and discards fewer."""

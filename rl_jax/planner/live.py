@@ -8,9 +8,9 @@ configuration (capacity.scenario on its layout) from an empty pipeline for `warm
 window` steps, warm-up = max_staleness + 2 (the steps a pipeline takes to fill), and
 reads the steady state of the window (`profile.steady_state` of its rows), which is what
 the next window of the warm run measures. The simulations are the controller's cost
-(control/seconds, on a background thread that shares the GIL with the pipeline's), so
-they are few: about 7 for a decision; for the advice, the configuration and each alternative
-over half a window.
+(control/seconds, in a process of its own that shares the run's CPU cores), so they are
+few: about 7 for a decision; for the advice, the configuration and each alternative over
+half a window (0.45 s in all on a window of configs/length_drift.py, one core).
 
   decide   the admission bound b in admission_range() = [lo, hi] (StalenessPolicy: never
            above the staleness rule, nor where the queue's bound binds first), at every

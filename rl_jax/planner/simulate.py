@@ -25,8 +25,9 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               call boundary; without inflight updates the sampler neither admits nor starts
               sequences until its running ones drain, then swaps (rl_jax.sampler.generator).
               An idle sampler swaps at once.
-  verifying   a finished rollout joins the verifier pool (workers servers, FIFO); a group
-              enters the queue when all G rollouts are verified.
+  verifying   a finished rollout joins the verifier pool (workers servers, FIFO: its
+              finish time is known when it arrives, ServerPool); a group enters the
+              queue when all G rollouts are verified, one event at the last finish.
   filtering   with Scenario.uniform_rate > 0 a verified group's rewards are all equal with
               that probability; StalenessPolicy.filters (the run's rule and per-step
               budget) decides whether it is filtered: not queued, its credit returned at
