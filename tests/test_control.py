@@ -206,6 +206,32 @@ def test_window_refit_equals_plan_py_and_the_check_uses_the_next_window(tmp_path
                                                 max(measured["staleness_mean"], 1))
 
 
+@pytest.mark.parametrize("shape", ["jump", "growth"])
+def test_the_next_window_starts_from_the_lengths_of_the_windows_last_half(shape):
+  """Median lengths that jump from 4 to 16 tokens at step 5 and stay (the length-drift
+  workload's first window) give the whole window a significant trend; the next window
+  starts at the last half's level with no drift. Steady growth of 3% a step keeps it."""
+  steps = np.arange(0, 22)
+  p50 = (np.where(steps < 5, 4.0, 16.0) if shape == "jump" else 10.0 * 1.03**steps)
+  rows = [{"step": int(k), "lengths/p50": float(v)} for k, v in zip(steps, p50)]
+  assert profile_lib.length_drift(rows) > 0.03  # the whole window's trend
+  lengths = LengthModel(kind="lognormal", max_tokens=24, median=float(np.mean(p50)),
+                        sigma=0.2, drift_per_step=profile_lib.length_drift(rows))
+  prof = types.SimpleNamespace(lengths=lengths, notes=[])
+  ahead = live.lengths_ahead(prof, rows).lengths
+  assert ahead.median == pytest.approx(np.mean(p50[11:]))
+  assert ahead.sigma == 0.2 and ahead.max_tokens == 24
+  if shape == "jump":
+    assert ahead.drift_per_step == 0.0
+  else:
+    assert ahead.drift_per_step == pytest.approx(0.03, rel=1e-6)
+  assert "lengths ahead" in prof.notes[-1]
+  # An empirical fit (a finished run's summary.json lengths) is kept as it is.
+  emp = types.SimpleNamespace(lengths=LengthModel(kind="empirical", max_tokens=24,
+                                                  values=(3.0, 5.0)), notes=[])
+  assert live.lengths_ahead(emp, rows).lengths.values == (3.0, 5.0)
+
+
 class _Console:
   def __init__(self):
     self.lines = []

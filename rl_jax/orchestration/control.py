@@ -11,7 +11,8 @@ its own, so the computation never holds the run's GIL), which:
   1. checks the window's prediction against this measurement
      (rl_jax.planner.live.errors -> control/*_error);
   2. refits the planner's models from the window with rl_jax.planner.capacity.refit, the
-     fit plan.py --profile / --validate use;
+     fit plan.py --profile / --validate use, with the lengths the next window starts
+     from (planner.live.refit);
   3. decides the next window's admission bound and decode slots (planner.live.decide);
   4. advises what only a restart can change (planner.live.advise; another split must fit
      the memory the run's devices report, device_memory_gib).
@@ -109,7 +110,7 @@ def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: 
   """A window's computation, on the executor (module docstring): the check of
   `predicted` against the window, the refit, the decision and the advice; any error
   becomes "reason". Reads only its arguments (picklable: a process runs it)."""
-  from rl_jax.planner import capacity, live, profile as profile_lib
+  from rl_jax.planner import live, profile as profile_lib
   t0 = time.perf_counter()
   res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": ""}
   try:
@@ -120,7 +121,7 @@ def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: 
     if stall:
       res["reason"] = f"a {stall:.0f}s step (an XLA compilation?)"
     else:
-      profile = capacity.refit(live.window_pilot(cfg, rows, counts))
+      profile = live.refit(cfg, rows, counts)
       res["decision"] = live.decide(cfg, profile, policy, window_steps=every,
                                     min_active=live.observed_active(cfg, rows))
       res["advice"] = live.advise(cfg, profile, num_steps=max(every // 2, 3),

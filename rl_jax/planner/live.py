@@ -3,10 +3,11 @@ the window-ahead check of the prediction, and advice for what only a restart can
 
 A window is the metrics rows of the last rl.control_every optimizer steps plus the row
 before them (`window_pilot`); `capacity.refit` fits the planner's models from it, the
-same fit as plan.py --profile / --validate. A prediction simulates the run's own
-configuration (capacity.scenario on its layout) from an empty pipeline for `warm-up +
-window` steps, warm-up = max_staleness + 2 (the steps a pipeline takes to fill), and
-reads the steady state of the window (`profile.steady_state` of its rows), which is what
+same fit as plan.py --profile / --validate, and `lengths_ahead` starts the next window's
+completion lengths where the window's last half left them (`refit` does both). A
+prediction simulates the run's own configuration (capacity.scenario on its layout) from
+an empty pipeline for `warm-up + window` steps, warm-up = max_staleness + 2 (the steps a
+pipeline takes to fill), and reads the steady state of the window (`profile.steady_state` of its rows), which is what
 the next window of the warm run measures. The simulations are the controller's cost
 (control/seconds, in a process of its own that shares the run's CPU cores), so they are
 few: about 7 for a decision; for the advice, the configuration and each alternative over
@@ -61,6 +62,29 @@ def window_pilot(cfg, rows: list[dict], counts: dict | None = None) -> profile_l
   groups_uniform_capped (the filter rate's inputs)."""
   return profile_lib.Pilot(workdir="(this run's last window)", cfg=cfg, rows=list(rows),
                            summary=dict(counts or {}))
+
+
+def lengths_ahead(profile, rows: list[dict]):
+  """`profile` with the completion lengths a next window starts from (lognormal fits
+  only): the mean lengths/p50 of the window's last half, growing at that half's drift
+  (profile.length_drift: 0 unless significant). The whole window's trend is not
+  extrapolated: on configs/length_drift.py the median jumps from 4 to 16 tokens by step 5
+  and then stays near 18, and the first window's trend (+7 to +9% a step), compounded
+  over the next window, sent every simulated completion to the cap."""
+  recent = [r for r in rows[len(rows) // 2:] if r.get("lengths/p50")]
+  if profile.lengths.kind != "lognormal" or len(recent) < 3:
+    return profile
+  median = float(np.mean([r["lengths/p50"] for r in recent]))
+  drift = profile_lib.length_drift(recent)
+  profile.lengths = dataclasses.replace(profile.lengths, median=median, drift_per_step=drift)
+  profile.notes.append(f"lengths ahead: median {median:.3g} (the window's last half), "
+                       f"drift {100 * drift:+.2f}% per optimizer step")
+  return profile
+
+
+def refit(cfg, rows: list[dict], counts: dict | None = None):
+  """The window's refit (capacity.refit of window_pilot) with its lengths ahead."""
+  return lengths_ahead(capacity.refit(window_pilot(cfg, rows, counts)), rows)
 
 
 def _tensor(sub) -> int:
@@ -244,7 +268,7 @@ def from_run(pilot: profile_lib.Pilot, *, steps: int, min_gain: float = 0.15,
   window; table rows as capacity.validate's (metric, predicted, observed, rel_err), the
   prediction being what live control would predict for a next window."""
   win = last_window(pilot, steps)
-  profile = capacity.refit(win, device=device)
+  profile = lengths_ahead(capacity.refit(win, device=device), win.rows)
   predicted = predict(pilot.cfg, profile, num_steps=steps, device=device)
   observed = profile_lib.steady_state(win.rows, skip_frac=0.0)
   table = [{"metric": k, "predicted": predicted[k], "observed": observed[k],

@@ -211,6 +211,21 @@ def _mean(rows, key) -> float | None:
   return float(np.mean(values)) if values else None
 
 
+def length_drift(rows: list[dict]) -> float:
+  """The median completion length's growth per optimizer step over `rows`: exp(slope) - 1
+  of the least-squares line through (step, ln lengths/p50), when the slope exceeds twice
+  its standard error (and 1e-9: flat rows fit with no error) with >= 5 rows; else 0."""
+  steps = np.asarray([r["step"] for r in rows if r.get("lengths/p50")], np.float64)
+  logs = np.log([r["lengths/p50"] for r in rows if r.get("lengths/p50")])
+  if len(steps) < 5 or not np.ptp(steps) > 0:
+    return 0.0
+  slope, intercept = np.polyfit(steps, logs, 1)
+  resid = logs - (slope * steps + intercept)
+  se = math.sqrt(float(np.sum(resid**2)) / (len(steps) - 2) /
+                 float(np.sum((steps - steps.mean())**2)))
+  return math.exp(slope) - 1 if abs(slope) > max(2 * se, 1e-9) else 0.0
+
+
 def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
   """Completion-length model (module docstring)."""
   cap = int(pilot.cfg.sampler.max_new_tokens)
@@ -229,17 +244,9 @@ def fit_lengths(pilot: Pilot, notes: list[str]) -> LengthModel:
     trunc = min(max(_mean(win, "lengths/truncation_rate") or 0.0, 1e-3), 0.5)
     z = statistics.NormalDist().inv_cdf(1 - trunc)
     sigma = max(math.log(cap / p50), 1e-3) / max(z, 1e-3)
-  steps = np.asarray([r["step"] for r in pilot.rows if r.get("lengths/p50")], np.float64)
-  logs = np.log([r["lengths/p50"] for r in pilot.rows if r.get("lengths/p50")])
-  drift = 0.0
-  if len(steps) >= 5 and np.ptp(steps) > 0:
-    slope, intercept = np.polyfit(steps, logs, 1)
-    resid = logs - (slope * steps + intercept)
-    se = math.sqrt(float(np.sum(resid**2)) / (len(steps) - 2) /
-                   float(np.sum((steps - steps.mean())**2)))
-    if abs(slope) > 2 * se:
-      drift = math.exp(slope) - 1
-      notes.append(f"lengths: median drifts {100 * drift:+.2f}% per optimizer step")
+  drift = length_drift(pilot.rows)
+  if drift:
+    notes.append(f"lengths: median drifts {100 * drift:+.2f}% per optimizer step")
   notes.append(f"lengths: lognormal median {p50:.3g} sigma {sigma:.2f} (from percentiles; "
                f"summary.json has no completion_lengths)")
   return LengthModel(kind="lognormal", max_tokens=cap, median=p50, sigma=sigma,
