@@ -3,7 +3,6 @@ a pool of identical servers with one FIFO waiting line (the verifier pool), work
 progresses at a changing rate (contention) and the sampler's decode segments."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import heapq
 import math
