@@ -7,8 +7,9 @@ same fit as plan.py --profile / --validate, and `lengths_ahead` starts the next 
 completion lengths where the window's last half left them (`refit` does both). A
 prediction simulates the run's own configuration (capacity.scenario on its layout) from
 an empty pipeline for `warm-up + window` steps, warm-up = max_staleness + 2 (the steps a
-pipeline takes to fill), and reads the steady state of the window (`profile.steady_state` of its rows), which is what
-the next window of the warm run measures. The simulations are the controller's cost
+pipeline takes to fill), and reads the steady state of the window
+(`profile.steady_state` of its rows), which is what the next window of the warm run
+measures. The simulations are the controller's cost
 (control/seconds, in a process of its own that shares the run's CPU cores), so they are
 few: about 7 for a decision; for the advice, the configuration and each alternative over
 half a window (0.45 s in all on a window of configs/length_drift.py, one core).

@@ -154,15 +154,8 @@ class VerifierModel:
   retries: int = 0
 
   def service_s(self, rng: np.random.Generator) -> float:
-    total = 0.0
-    for _ in range(self.retries + 1):
-      draw = self.base_s + (self.latency.sample(rng) if self.latency.kind != "none" else 0.0)
-      took = min(draw, self.timeout_s)
-      total += took
-      failed = draw >= self.timeout_s or (self.failure_prob > 0 and rng.random() < self.failure_prob)
-      if not failed:
-        break
-    return total
+    """One service time (a tool call)."""
+    return float(self.service_times(rng, 1)[0])
 
   def service_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
     """n service times (service_s's model) drawn together, attempt by attempt."""

@@ -246,10 +246,11 @@ class _Sim(Report):
       done = self.rem == 0
       if done.any():
         idx = np.flatnonzero(done)
-        if sc.turns is not None:
-          for i in idx[[bool(self.rest[i]) for i in idx]]:
+        if sc.turns is not None:  # a segment with others after it ends in a tool call
+          calls = np.asarray([bool(self.rest[i]) for i in idx], bool)
+          for i in idx[calls]:
             self._park(now, (int(self.gid[i]), int(self.ctx[i]), self.rest[i]))
-          idx = idx[[not self.rest[i] for i in idx]]
+          idx = idx[~calls]
         if len(idx):
           self.row_lengths.extend((self.ctx[idx] - sc.prompt_tokens).tolist())
           self._rollouts_finished(now, self.gid[idx].tolist())
