@@ -98,6 +98,8 @@ DESCRIPTIONS = {
     "env/heldout_tool_call_rate": "share of greedy held-out episodes that call the tool at "
                                   "least once",
     "sampler/parked": "sequences parked waiting for a tool: KV pages held, decode slot free",
+    "trainer/data_wait_frac": "share of the run's wall time the trainer spent waiting on an "
+                              "empty rollout queue for its batch (cumulative, like busy_frac)",
     "control/admission_bound": "groups the live controller lets be admitted ahead of the "
                                "trainer (in flight + queued + held), within the staleness rule",
     "control/decode_slots": "decode slots the live controller lets the sampler use",

@@ -124,6 +124,7 @@ class RunAccounting:
     self.clock = Clock()
     self.sampler_busy = BusyTimer()
     self.trainer_busy = BusyTimer()
+    self.data_wait_s = 0.0  # the trainer's time blocked on an empty queue for its batch
     self.counts: collections.Counter = collections.Counter()
     self.trained_log: list[tuple[int, int, int]] = []  # (trainer version, group id, staleness)
     self.staleness_hist: collections.Counter = collections.Counter()
@@ -269,6 +270,7 @@ class RunAccounting:
         "sampler/preemptions": generator.preemptions,
         "trainer/tokens_per_s": (self.trainer_tokens - train0) / dt,
         "trainer/busy_frac": self.trainer_busy.busy_s / wall,
+        "trainer/data_wait_frac": self.data_wait_s / wall,
         "trainer/step_time_s": float(np.mean(step_times)) if step_times else 0.0,
         "trainer/padded_tokens": padded,
         "queue/depth": queue["depth"], "queue/inflight_groups": queue["inflight"],
@@ -436,6 +438,7 @@ class RunAccounting:
         "trainer_tokens_per_s": self.trainer_tokens / wall_,
         "sampler_busy_frac": self.sampler_busy.busy_s / wall_,
         "trainer_busy_frac": self.trainer_busy.busy_s / wall_,
+        "trainer_data_wait_frac": self.data_wait_s / wall_,
         "verifier_status": self.verifier_statuses(),
         "max_queue_depth": max_queue_depth,
         "device_hours": device_hours,
@@ -493,6 +496,7 @@ class RunAccounting:
         "sampler_tokens": self.sampler_tokens, "trainer_tokens": self.trainer_tokens,
         "prompt_tokens_total": self.prompt_tokens_total,
         "sampler_busy_s": self.sampler_busy.busy_s, "trainer_busy_s": self.trainer_busy.busy_s,
+        "trainer_data_wait_s": self.data_wait_s,
         **sync,
         "resumes": self.resumes,
     }
@@ -507,6 +511,7 @@ class RunAccounting:
     self.prompt_tokens_total = loop["prompt_tokens_total"]
     self.sampler_busy.busy_s = loop["sampler_busy_s"]
     self.trainer_busy.busy_s = loop["trainer_busy_s"]
+    self.data_wait_s = loop.get("trainer_data_wait_s", 0.0)  # (older checkpoints lack it)
     for k in _SYNC_KEYS:  # checkpoints from before a timing existed lack its key
       key = "weight_sync_s" if k == "transfer_s" else f"weight_sync_{k}"
       self.carried[k] = list(loop.get(key, [0.0, 0]))

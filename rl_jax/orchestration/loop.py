@@ -382,7 +382,9 @@ class Pipeline:
           raise Preempted()
         t0 = time.monotonic()
         group = self.queue.get(timeout=0.2)
-        self.worker.check_verifier_outage(time.monotonic() - t0)
+        waited = time.monotonic() - t0
+        self.acc.data_wait_s += waited  # (microseconds when a group was queued)
+        self.worker.check_verifier_outage(waited)
         if group is None:
           continue
         if not self.policy.accepts(group.staleness(self.version)):
