@@ -137,6 +137,70 @@ def test_half_the_slots_only_where_the_window_saw_the_sampler_that_empty():
   assert live.decide(cfg, prof, pol, window_steps=10, min_active=32.0).decode_slots == 32
 
 
+def test_the_window_data_wait_share_and_the_floor_it_raises():
+  # trainer/data_wait_frac is cumulative, like busy_frac: the window's share is the
+  # increase of frac x time over the window's wall time.
+  rows = [{"step": 10, "time_s": 10.0, "trainer/data_wait_frac": 0.01},
+          {"step": 15, "time_s": 20.0, "trainer/data_wait_frac": 0.015},
+          {"step": 20, "time_s": 30.0, "trainer/data_wait_frac": 0.02}]
+  assert live.data_wait_share(rows) == pytest.approx((0.02 * 30 - 0.01 * 10) / 20)
+  assert live.data_wait_share([{"step": 1, "time_s": 1.0}, rows[-1]]) is None
+  assert live.STARVED == 0.01
+  none = live.Floor()
+  kw = dict(slots_max=128, step=8, hi=192)
+  # Below the threshold (or unmeasured) nothing changes.
+  assert none.after(0.01, bound=168, **kw) is none and none.after(None, bound=168, **kw) is none
+  # A starved window: one search step above the bound it ran under, all the slots.
+  up = none.after(0.025, bound=168, **kw)
+  assert up == live.Floor(bound=176, slots=128)
+  assert up.after(0.05, bound=192, **kw) == live.Floor(bound=192, slots=128)  # never above hi
+  assert up.after(0.05, bound=160, **kw) == up  # never lower
+  assert up.after(0.0, bound=176, **kw) is up  # a window that did not starve keeps it
+
+
+def test_a_decision_never_goes_below_the_floor():
+  cfg = _cfg()
+  pol = StalenessPolicy.from_config(cfg.rl)
+  prof = _profile(train_fixed_s=0.5, decode_step_s=1e-4)  # trainer-bound: lo, half slots
+  free = live.decide(cfg, prof, pol, window_steps=10)
+  assert (free.admission_bound, free.decode_slots) == (8, 32)
+  held = live.decide(cfg, prof, pol, window_steps=10, floor=live.Floor(bound=13, slots=64))
+  # The least allowed bound is still the smallest near the best, and only all the slots.
+  assert (held.admission_bound, held.decode_slots) == (13, 64)
+  assert held.simulations < free.simulations
+  # A floor above the range stops at its top (the staleness rule).
+  assert live.decide(cfg, prof, pol, window_steps=10,
+                     floor=live.Floor(bound=99, slots=64)).admission_bound == 24
+
+
+def test_a_window_that_starved_the_trainer_raises_the_next_decision():
+  """Trainer-bound rows (the model's decision is the range's bottom, 8 groups, half the
+  slots); the second window's trainer waited 5% of its time on an empty queue: the next
+  decision is at least one search step (1 group) above the bound that window ran under,
+  with all the slots, and stays there after windows that did not starve."""
+  cfg = _cfg()
+  rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 41)
+  t11 = rows[10]["time_s"]
+  for r in rows:  # no wait until step 11, 5% of the time from there to step 21, then none
+    waited = 0.05 * (min(r["time_s"], rows[20]["time_s"]) - t11) if r["step"] > 11 else 0.0
+    r["trainer/data_wait_frac"] = waited / r["time_s"]
+  ctl = _controller(cfg)
+  out = [ctl.after_row(r["step"], r) for r in rows]
+  d = ctl.decisions
+  assert [x["step"] for x in d] == [11, 21, 31, 41]
+  assert (d[0]["admission_bound"], d[0]["decode_slots"]) == (8, 32)
+  assert d[0]["floor"] == {"bound": 0, "slots": 0} and d[0]["data_wait_share"] == 0.0
+  assert d[1]["data_wait_share"] == pytest.approx(0.05)
+  assert d[1]["floor"] == {"bound": 9, "slots": 64}
+  assert [(x["admission_bound"], x["decode_slots"]) for x in d[1:]] == [(9, 64)] * 3
+  assert out[20]["control/admission_floor"] == 9 and ctl.queue.limit == 9
+  assert out[20]["control/data_wait_share"] == pytest.approx(0.05)
+  # The floor is checkpointed with the settings.
+  fresh = _controller(cfg)
+  fresh.load(json.loads(json.dumps(ctl.state())))
+  assert fresh.floor == live.Floor(bound=9, slots=64)
+
+
 def test_active_sequences_per_decode_step_of_a_window():
   # Row k: calls since the row before c_k, each 4 decode steps; tokens/s x dt tokens.
   rows = [{"step": 0, "time_s": 0.0, "sampler/generate_calls": 0, "sampler/tokens_per_s": 0.0}]
@@ -336,6 +400,7 @@ def test_an_inline_executor_decides_as_the_synchronous_controller():
   assert {k: v for k, v in out[10].items() if k != "control/seconds"} == {
       "control/admission_bound": ctl.policy.clamp(first.admission_bound),
       "control/decode_slots": first.decode_slots, "control/apply_lag_steps": 0,
+      "control/admission_floor": 0,  # the simulated rows record no data wait
       "control/predicted_steps_per_hour": p["steps_per_hour"],
       "control/predicted_queue_depth": p["queue_depth_mean"],
       "control/predicted_staleness": p["staleness_mean"],
@@ -424,7 +489,8 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   feed(27, 35)
   assert ex.jobs == []
   feed(36, 36)
-  ((_, _, (*_, end, win, counts, predicted)),) = ex.jobs
+  ((_, _, (*_, end, win, counts, predicted, floor)),) = ex.jobs
+  assert floor == live.Floor()  # the simulated rows record no data wait
   assert end == 36 and [r["step"] for r in win] == list(range(26, 37))
   assert win[-1] == rows[35]  # the window's rows as they were at its end
   assert counts[live.FILTER_COUNTS[1]] == 2 * 10

@@ -109,6 +109,10 @@ def check_common(pipe, summary, rollouts, workdir, max_staleness):
   assert (on_disk["attention_kernel"], on_disk["attention_requested"],
           on_disk["attention_fallback"]) == ("xla", "auto", "")
   assert 0 < on_disk["sampler_busy_frac"] <= 1 and 0 < on_disk["trainer_busy_frac"] <= 1
+  # The trainer's wait on an empty queue is outside its busy time (the first batch at
+  # least is waited for).
+  assert 0 < on_disk["trainer_data_wait_frac"]
+  assert on_disk["trainer_busy_frac"] + on_disk["trainer_data_wait_frac"] <= 1 + 1e-9
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   keys = set().union(*rows)
   for prefix in ("sampler/", "lengths/", "latency/", "queue/", "staleness/", "weight_sync/",

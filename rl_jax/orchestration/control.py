@@ -13,7 +13,11 @@ its own, so the computation never holds the run's GIL), which:
   2. refits the planner's models from the window with rl_jax.planner.capacity.refit, the
      fit plan.py --profile / --validate use, with the lengths the next window starts
      from (planner.live.refit);
-  3. decides the next window's admission bound and decode slots (planner.live.decide);
+  3. decides the next window's admission bound and decode slots (planner.live.decide),
+     never below the run's floor (planner.live.Floor, the feedback: a window whose
+     trainer waited on an empty queue for more than 1% of its wall time, measured here
+     from trainer/data_wait_frac before the submission, lifts it above the settings that
+     window ran under; a window that held a stall does not count);
   4. advises what only a restart can change (planner.live.advise; another split must fit
      the memory the run's devices report, device_memory_gib).
 The first after_row that finds the work done applies it on the trainer thread:
@@ -43,6 +47,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import copy
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -106,10 +111,11 @@ def make_executor() -> concurrent.futures.Executor:
 
 
 def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: list[dict],
-            counts: dict, predicted) -> dict:
+            counts: dict, predicted, floor=None) -> dict:
   """A window's computation, on the executor (module docstring): the check of
-  `predicted` against the window, the refit, the decision and the advice; any error
-  becomes "reason". Reads only its arguments (picklable: a process runs it)."""
+  `predicted` against the window, the refit, the decision (no lower than `floor`,
+  planner.live.Floor) and the advice; any error becomes "reason". Reads only its
+  arguments (picklable: a process runs it)."""
   from rl_jax.planner import live, profile as profile_lib
   t0 = time.perf_counter()
   res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": ""}
@@ -123,7 +129,7 @@ def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: 
     else:
       profile = live.refit(cfg, rows, counts)
       res["decision"] = live.decide(cfg, profile, policy, window_steps=every,
-                                    min_active=live.observed_active(cfg, rows))
+                                    min_active=live.observed_active(cfg, rows), floor=floor)
       res["advice"] = live.advise(cfg, profile, num_steps=max(every // 2, 3),
                                   memory_gib=memory_gib)
   except UserError as e:
@@ -170,6 +176,9 @@ class Controller:
     self._pending = None  # (the window's end step, the Future of its computation)
     self._predicted: dict | None = None
     self._advised: set[tuple] = set()  # override sets already printed
+    from rl_jax.planner import live
+    self.floor = live.Floor()  # the least settings the trainer's starvation allows
+    self._share: float | None = None  # the submitted window's data-wait share
     self._noted = False
     self.decisions: list[dict] = []
     self.advice: list[dict] = []
@@ -208,16 +217,27 @@ class Controller:
     start = rows[0]["time_s"]
     counts["timeline"] = {"sampler": self.acc.sampler_busy.recent(5000, since=start),
                           "trainer": self.acc.trainer_busy.recent(5000, since=start)}
+    # The feedback: a window that starved the trainer raises the floor (live.Floor); one
+    # that held a stall does not count (a sampler compile empties the queue).
+    self._share = live.data_wait_share(rows)
+    if not stalled(rows):
+      lo, hi = self.policy.admission_range()
+      self.floor = self.floor.after(self._share, bound=self.bound, hi=hi,
+                                    slots_max=int(self.cfg.sampler.max_concurrent_decodes),
+                                    step=max(1, (hi - lo) // live.RESOLUTION))
     self._pending = (step, self.executor.submit(
         compute, self._plan_cfg, self.policy, self.every, self.memory_gib, step, rows, counts,
-        self._predicted))
+        self._predicted, self.floor))
 
   def _take(self, end: int, step: int, res: dict) -> dict:
     """Applies the computation of the window that ended at step `end`, at step `step`:
     the row's control/* metrics."""
     from rl_jax.planner import live
-    out = {"control/seconds": res["seconds"], "control/apply_lag_steps": step - end}
-    entry = {"step": end, "applied_step": step}
+    out = {"control/seconds": res["seconds"], "control/apply_lag_steps": step - end,
+           "control/admission_floor": self.floor.bound}
+    entry = {"step": end, "applied_step": step, "floor": dataclasses.asdict(self.floor)}
+    if self._share is not None:
+      out["control/data_wait_share"] = entry["data_wait_share"] = self._share
     measured, err = res["measured"], res["errors"]
     if err is not None:
       entry["errors"] = err
@@ -229,6 +249,10 @@ class Controller:
       self._note(f"control: the window ending at step {end} held {res['reason']}; settings "
                  f"kept, no prediction")
       self._predicted = None
+      if self.floor.bound > self.bound or self.floor.slots > self.slots:
+        self._apply(live.Decision(admission_bound=max(self.bound, self.floor.bound),
+                                  decode_slots=max(self.slots, self.floor.slots),
+                                  predicted={}, simulations=0))
       self.decisions.append({**entry, "skipped": res["reason"]})
       return out
     decision = res["decision"]
@@ -272,6 +296,7 @@ class Controller:
     """What a checkpoint keeps (JSON): the settings in force, the decisions and advice so
     far. A window in flight is not kept: after a resume the first row starts a new one."""
     return {"admission_bound": self.bound, "decode_slots": self.slots,
+            "floor": dataclasses.asdict(self.floor),
             "decisions": list(self.decisions), "advice": list(self.advice)}
 
   def load(self, state: dict) -> None:
@@ -282,6 +307,7 @@ class Controller:
     self._apply(live.Decision(admission_bound=int(state["admission_bound"]),
                               decode_slots=int(state["decode_slots"]), predicted={},
                               simulations=0))
+    self.floor = live.Floor(**state.get("floor", {}))  # (older checkpoints lack it)
     self.decisions = list(state.get("decisions", []))
     self.advice = list(state.get("advice", []))
     self._advised = {tuple(a["overrides"]) for a in self.advice}

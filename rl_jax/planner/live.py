@@ -24,7 +24,11 @@ half a window (0.45 s in all on a window of configs/length_drift.py, one core).
            pick is the smallest value whose predicted steps/hour is within `tolerance`
            (TOLERANCE, 1%) of the best evaluated: the fewest groups in flight (least staleness,
            fewest discards) that keeps the trainer as busy, i.e. sampling rate
-           lambda ~= training rate mu at the configured bound.
+           lambda ~= training rate mu at the configured bound. Both stay at or above the
+           run's Floor: the feedback half. A window whose trainer waited on an empty
+           queue for more than STARVED (1%) of its wall time (data_wait_share) lifts the
+           least bound one search step above the one it ran under, and the slots to all
+           of them, for the rest of the run.
   errors   (predicted - measured) / max(measured, floor) of steps/hour, queue depth and
            staleness, floor 1 for the last two (means that can be 0), else 1e-9.
   advise   the run's configuration against other sampler/trainer splits of the same
@@ -145,6 +149,44 @@ def observed_active(cfg, rows: list[dict]) -> float | None:
   return float(np.percentile(active, 10)) if len(active) else None
 
 
+# A window whose trainer waited on an empty queue for more than this share of its wall
+# time was starved by the settings in force (notes/TUNING.md, session 14).
+STARVED = 0.01
+
+
+def data_wait_share(rows: list[dict]) -> float | None:
+  """The share of the window's wall time the trainer spent waiting on an empty queue for
+  its batches (trainer/data_wait_frac, cumulative like busy_frac; rows[0] is the row
+  before the window); None when the rows do not record it."""
+  a, b = rows[0], rows[-1]
+  if "trainer/data_wait_frac" not in a or "trainer/data_wait_frac" not in b:
+    return None
+  dt = b["time_s"] - a["time_s"]
+  if dt <= 0:
+    return None
+  return (b["trainer/data_wait_frac"] * b["time_s"] - a["trainer/data_wait_frac"] * a["time_s"]) / dt
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+  """The least admission bound and decode slots a decision may take: the feedback half of
+  live control. The simulation's queue is smoother than a run's (measured on
+  configs/length_drift.py: at bound 168 it predicts the trainer as busy as at 192, the run
+  loses 1-2% of its busy time to an empty queue), so the run's own measurement of its
+  trainer's wait corrects it. A window that starved the trainer (data_wait_share >
+  STARVED) raises the floor above the settings it ran under: the bound by one search
+  step, the slots to all of them. The floor only rises within a run: a bound that starved
+  the trainer once is not tried again."""
+  bound: int = 0
+  slots: int = 0
+
+  def after(self, share: float | None, *, bound: int, slots_max: int, step: int,
+            hi: int) -> Floor:
+    if share is None or share <= STARVED:
+      return self
+    return Floor(bound=max(self.bound, min(hi, bound + step)), slots=slots_max)
+
+
 # The steps/hour a decision may give up for fewer groups in flight. Small: the goal is a
 # trainer as busy as at the largest bound (a 3% tolerance lost 2-8% of the trainer's busy
 # time where the refit's knee was optimistic; notes/TUNING.md, session 12).
@@ -152,17 +194,23 @@ TOLERANCE = 0.01
 
 
 def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = TOLERANCE,
-           device: DeviceSpec = DEVICES["h200"], min_active: float | None = None) -> Decision:
+           device: DeviceSpec = DEVICES["h200"], min_active: float | None = None,
+           floor: Floor | None = None) -> Decision:
   """The admission bound and decode slots for the next window (module docstring).
   `min_active` (observed_active): half the slots is an option only when the window saw
   the sampler run with that few sequences per decode step, so that the fitted decode
-  model is not extrapolated below what it was fitted on."""
+  model is not extrapolated below what it was fitted on. `floor` (Floor.after): the
+  least bound and slots the run's own starvation measurements allow."""
   lo, hi = policy.admission_range()
+  resolution = max(1, (hi - lo) // RESOLUTION)
   slots_max = int(cfg.sampler.max_concurrent_decodes)
+  if floor is not None:
+    lo = min(max(lo, floor.bound), hi)
   g = int(cfg.rl.group_size)
   half = slots_max // 2
   observed = min_active is None or half >= min_active
-  slot_options = sorted({slots_max} | ({half} if half >= g and observed else set()))
+  allowed = floor is None or half >= floor.slots
+  slot_options = sorted({slots_max} | ({half} if half >= g and observed and allowed else set()))
   steps = window_steps
   at_bound: dict[int, dict] = {}
 
@@ -170,8 +218,7 @@ def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = TOLERA
     at_bound[b] = predict(cfg, profile, num_steps=steps, max_inflight_groups=b, device=device)
     return at_bound[b]["steps_per_hour"]
 
-  bound, _ = search_bound(lo, hi, steps_per_hour, tolerance=tolerance,
-                          resolution=max(1, (hi - lo) // RESOLUTION))
+  bound, _ = search_bound(lo, hi, steps_per_hour, tolerance=tolerance, resolution=resolution)
   preds = {slots_max: at_bound[bound]}
   for k in slot_options[:-1]:
     preds[k] = predict(cfg, profile, num_steps=steps, max_inflight_groups=bound,
