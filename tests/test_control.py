@@ -154,8 +154,14 @@ def test_the_window_data_wait_share_and_the_floor_it_raises():
   up = none.after(0.025, bound=168, **kw)
   assert up == live.Floor(bound=176, slots=128)
   assert up.after(0.05, bound=192, **kw) == live.Floor(bound=192, slots=128)  # never above hi
-  assert up.after(0.05, bound=160, **kw) == up  # never lower
-  assert up.after(0.0, bound=176, **kw) is up  # a window that did not starve keeps it
+  assert up.after(0.05, bound=160, **kw) == up  # a starved window never lowers it
+  # Windows that did not starve keep it, RELAX = 3 in a row lower the bound's a step.
+  assert live.RELAX == 3
+  one = up.after(0.0, bound=176, **kw)
+  two = one.after(0.005, bound=184, **kw)
+  assert (one.bound, one.clean, two.bound, two.clean) == (176, 1, 176, 2)
+  assert two.after(0.0, bound=176, **kw) == live.Floor(bound=168, slots=128)
+  assert one.after(0.02, bound=176, **kw) == live.Floor(bound=184, slots=128)
 
 
 def test_a_decision_never_goes_below_the_floor():
@@ -177,7 +183,7 @@ def test_a_window_that_starved_the_trainer_raises_the_next_decision():
   """Trainer-bound rows (the model's decision is the range's bottom, 8 groups, half the
   slots); the second window's trainer waited 5% of its time on an empty queue: the next
   decision is at least one search step (1 group) above the bound that window ran under,
-  with all the slots, and stays there after windows that did not starve."""
+  with all the slots, and stays there for the next two windows that did not starve."""
   cfg = _cfg()
   rows = _rows(cfg, _profile(train_fixed_s=0.5, decode_step_s=1e-4), 41)
   t11 = rows[10]["time_s"]
@@ -189,16 +195,18 @@ def test_a_window_that_starved_the_trainer_raises_the_next_decision():
   d = ctl.decisions
   assert [x["step"] for x in d] == [11, 21, 31, 41]
   assert (d[0]["admission_bound"], d[0]["decode_slots"]) == (8, 32)
-  assert d[0]["floor"] == {"bound": 0, "slots": 0} and d[0]["data_wait_share"] == 0.0
+  assert d[0]["floor"] == {"bound": 0, "slots": 0, "clean": 0}
+  assert d[0]["data_wait_share"] == 0.0
   assert d[1]["data_wait_share"] == pytest.approx(0.05)
-  assert d[1]["floor"] == {"bound": 9, "slots": 64}
+  assert d[1]["floor"] == {"bound": 9, "slots": 64, "clean": 0}
+  assert [x["floor"]["clean"] for x in d[2:]] == [1, 2]
   assert [(x["admission_bound"], x["decode_slots"]) for x in d[1:]] == [(9, 64)] * 3
   assert out[20]["control/admission_floor"] == 9 and ctl.queue.limit == 9
   assert out[20]["control/data_wait_share"] == pytest.approx(0.05)
   # The floor is checkpointed with the settings.
   fresh = _controller(cfg)
   fresh.load(json.loads(json.dumps(ctl.state())))
-  assert fresh.floor == live.Floor(bound=9, slots=64)
+  assert fresh.floor == live.Floor(bound=9, slots=64, clean=2)
 
 
 def test_active_sequences_per_decode_step_of_a_window():

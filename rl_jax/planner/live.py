@@ -28,7 +28,8 @@ half a window (0.45 s in all on a window of configs/length_drift.py, one core).
            run's Floor: the feedback half. A window whose trainer waited on an empty
            queue for more than STARVED (1%) of its wall time (data_wait_share) lifts the
            least bound one search step above the one it ran under, and the slots to all
-           of them, for the rest of the run.
+           of them; RELAX (3) windows in a row that did not starve it lower the bound's
+           floor a step.
   errors   (predicted - measured) / max(measured, floor) of steps/hour, queue depth and
            staleness, floor 1 for the last two (means that can be 0), else 1e-9.
   advise   the run's configuration against other sampler/trainer splits of the same
@@ -175,17 +176,28 @@ class Floor:
   loses 1-2% of its busy time to an empty queue), so the run's own measurement of its
   trainer's wait corrects it. A window that starved the trainer (data_wait_share >
   STARVED) raises the floor above the settings it ran under: the bound by one search
-  step, the slots to all of them. The floor only rises within a run: a bound that starved
-  the trainer once is not tried again."""
+  step, the slots to all of them. After RELAX windows in a row that did not starve it,
+  the bound's floor comes down one step (the slots' stays): a window's share is noisy
+  (0.0-1.2% per 20-step window at a bound that keeps the trainer as busy as the fixed
+  one), and a floor that only rose would reach the top of the range in a long run."""
   bound: int = 0
   slots: int = 0
+  clean: int = 0  # windows in a row since the floor last moved that did not starve
 
   def after(self, share: float | None, *, bound: int, slots_max: int, step: int,
             hi: int) -> Floor:
-    if share is None or share <= STARVED:
+    if share is None:
       return self
-    return Floor(bound=max(self.bound, min(hi, bound + step)), slots=slots_max)
+    if share > STARVED:
+      return Floor(bound=max(self.bound, min(hi, bound + step)), slots=slots_max)
+    if self.bound == 0:
+      return self
+    if self.clean + 1 >= RELAX:
+      return Floor(bound=max(0, self.bound - step), slots=self.slots)
+    return dataclasses.replace(self, clean=self.clean + 1)
 
+
+RELAX = 3
 
 # The steps/hour a decision may give up for fewer groups in flight. Small: the goal is a
 # trainer as busy as at the largest bound (a 3% tolerance lost 2-8% of the trainer's busy
