@@ -118,14 +118,13 @@ def get_config(arg=None):
   c.rl.max_oversample = 4  # filtering samples at most this many x the batch per step
   c.rl.overlong = "none"  # none | mask (truncated completions out of the loss) | penalty
   c.rl.overlong_buffer = 0  # penalty: tokens before the limit where the penalty ramps
-  # Live capacity control (rl_jax/orchestration/control.py): off | admission | auto.
+  # Live capacity control (rl_jax/orchestration/control.py): auto | admission | off.
   # admission: every control_every optimizer steps the planner's models are refitted from
   # the run's own recent metrics and set the async admission bound and the decode slots in
-  # use (within the config's limits and the staleness rule). auto: admission in async
-  # mode, off in sync mode (which it never changes). Off by default: it cut discards and
-  # time to reward on the length-drift workload (3 seeds) but reached the reward 1.4x
-  # later on the sampler-bound default workload (README, Live capacity control).
-  c.rl.control = "off"
+  # use (within the config's limits and the staleness rule), never below a floor that a
+  # window whose trainer waited on an empty queue raises. auto (the default): admission in
+  # async mode, off in sync mode (which it never changes). README, Live capacity control.
+  c.rl.control = "auto"
   c.rl.control_every = 20  # optimizer steps per control window
 
   c.warmstart = ml_collections.ConfigDict()

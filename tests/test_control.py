@@ -431,7 +431,9 @@ def test_the_loops_process_executor_decides_as_the_inline_one():
   """make_executor (a spawned process, JAX on the CPU there) gives the window's decision
   and prediction that the same computation gives in this process."""
   cfg = _cfg()
-  pool = control.make_executor()
+  assert cfg.rl.total_steps > cfg.rl.control_every + 1
+  pool = control.make_executor(cfg)
+  assert isinstance(pool, concurrent.futures.ProcessPoolExecutor)
   try:
     assert pool.submit(os.getenv, "JAX_PLATFORMS").result(120) == "cpu"
     ex = _Recorded(pool)
@@ -450,6 +452,20 @@ def test_the_loops_process_executor_decides_as_the_inline_one():
       assert got[k] == want[k], k
   finally:
     pool.shutdown(wait=True)
+
+
+def test_a_run_too_short_for_a_window_spawns_no_process_until_one_ends():
+  # The first window ends at step control_every + 1 (10 + 1): a run of 11 steps never
+  # applies a decision, so its executor spawns its process only if asked.
+  lazy = control.make_executor(_cfg("--config.rl.total_steps=11"))
+  assert not isinstance(lazy, concurrent.futures.ProcessPoolExecutor)
+  assert lazy._pool is None
+  lazy.shutdown(wait=True)  # nothing to shut down
+  try:
+    assert lazy.submit(os.getenv, "JAX_PLATFORMS").result(120) == "cpu"
+    assert isinstance(lazy._pool, concurrent.futures.ProcessPoolExecutor)
+  finally:
+    lazy.shutdown(wait=True)
 
 
 def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():

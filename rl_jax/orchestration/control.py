@@ -100,12 +100,37 @@ def _warm() -> None:
   from rl_jax.sampler import engine  # noqa: F401
 
 
-def make_executor() -> concurrent.futures.Executor:
+def _pool() -> concurrent.futures.Executor:
+  return concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init)
+
+
+class _Lazy:
+  """An executor whose process is spawned at its first submit."""
+
+  def __init__(self):
+    self._pool = None
+
+  def submit(self, fn, *args):
+    if self._pool is None:
+      self._pool = _pool()
+    return self._pool.submit(fn, *args)
+
+  def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def make_executor(cfg) -> concurrent.futures.Executor:
   """The loop's executor for the window computations: one spawned process. A thread of
   the run's own process would share its GIL: on the 2-core CPU a window's computation
-  (about 1 s alone) made the pipeline's steps 23% slower for the 7 steps it took."""
-  pool = concurrent.futures.ProcessPoolExecutor(
-      1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init)
+  (about 1 s alone) made the pipeline's steps 23% slower for the 7 steps it took. It is
+  spawned, and imports what the computation needs, at the start of a run long enough for
+  a window (rl.total_steps > rl.control_every + 1); a shorter one (a test, a smoke run)
+  spawns nothing unless a window ends after all (a resumed count)."""
+  if int(cfg.rl.total_steps) <= int(cfg.rl.control_every) + 1:
+    return _Lazy()
+  pool = _pool()
   pool.submit(_warm)
   return pool
 

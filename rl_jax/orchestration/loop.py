@@ -100,7 +100,7 @@ class Pipeline:
     self.control = self._controls = None
     if control.active(cfg, jax.process_count()):
       # The controller's refit, decision and advice run in a process of their own.
-      self._controls = control.make_executor()
+      self._controls = control.make_executor(cfg)
       self.control = control.Controller(
           cfg, policy=self.policy, queue=self.queue, worker=self.worker, accounting=self.acc,
           console=self.console, executor=self._controls)
