@@ -207,6 +207,12 @@ def test_a_window_that_starved_the_trainer_raises_the_next_decision():
   fresh = _controller(cfg)
   fresh.load(json.loads(json.dumps(ctl.state())))
   assert fresh.floor == live.Floor(bound=9, slots=64, clean=2)
+  # A resume restores the controller before the loop creates its generator (which then
+  # takes the controller's slots, loop._publish_first).
+  early = _controller(cfg)
+  early.worker.generator = None
+  early.load(json.loads(json.dumps(ctl.state())))
+  assert (early.bound, early.slots, early.queue.limit) == (9, 64, 9)
 
 
 def test_active_sequences_per_decode_step_of_a_window():

@@ -300,7 +300,8 @@ class Controller:
     self.slots = int(min(max(decision.decode_slots, self.cfg.rl.group_size),
                          self.cfg.sampler.max_concurrent_decodes))
     self.queue.set_limit(self.bound)
-    self.worker.generator.set_slot_limit(self.slots)
+    if self.worker.generator is not None:  # a resume loads before the generator exists:
+      self.worker.generator.set_slot_limit(self.slots)  # the loop applies it on creation
 
   def _advise(self, step: int, advice: dict | None) -> None:
     key = None if advice is None else tuple(advice["overrides"])

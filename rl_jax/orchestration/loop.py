@@ -474,6 +474,8 @@ class Pipeline:
     self.worker.generator = Generator(
         self.engine, pub.params, version=self.version, sampling=self.sampling,
         inflight_weight_updates=self.cfg.rl.inflight_weight_updates)
+    if self.control is not None:  # a resumed controller's slots (restored before this)
+      self.worker.generator.set_slot_limit(self.control.slots)
     self.worker.requested_version = self.version
     # The held-out evaluator has its own slot registers but borrows the sampler's K/V
     # pool while the sampler is paused (Generator.lend_pool): same engine and compiled
