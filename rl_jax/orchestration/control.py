@@ -246,10 +246,10 @@ class Controller:
     # that held a stall does not count (a sampler compile empties the queue).
     self._share = live.data_wait_share(rows)
     if not stalled(rows):
-      lo, hi = self.policy.admission_range()
-      self.floor = self.floor.after(self._share, bound=self.bound, hi=hi,
+      self.floor = self.floor.after(self._share, bound=self.bound,
+                                    hi=self.policy.admission_range()[1],
                                     slots_max=int(self.cfg.sampler.max_concurrent_decodes),
-                                    step=max(1, (hi - lo) // live.RESOLUTION))
+                                    step=live.search_step(self.policy))
     self._pending = (step, self.executor.submit(
         compute, self._plan_cfg, self.policy, self.every, self.memory_gib, step, rows, counts,
         self._predicted, self.floor))

@@ -114,6 +114,13 @@ def predict(cfg, profile, *, num_steps: int, layout=None, max_inflight_groups=No
 RESOLUTION = 16  # the admission bound's search stops at 1/16 of its range (or 1 group)
 
 
+def search_step(policy) -> int:
+  """The admission bound's search resolution: 1/RESOLUTION of admission_range(), at
+  least 1 group (also the step the Floor moves by)."""
+  lo, hi = policy.admission_range()
+  return max(1, (hi - lo) // RESOLUTION)
+
+
 def _smallest_near_best(options: list[int], preds: list[dict], tolerance: float) -> int:
   best = max(p["steps_per_hour"] for p in preds)
   return min(o for o, p in zip(options, preds) if p["steps_per_hour"] >= (1 - tolerance) * best)
@@ -214,7 +221,7 @@ def decide(cfg, profile, policy, *, window_steps: int, tolerance: float = TOLERA
   model is not extrapolated below what it was fitted on. `floor` (Floor.after): the
   least bound and slots the run's own starvation measurements allow."""
   lo, hi = policy.admission_range()
-  resolution = max(1, (hi - lo) // RESOLUTION)
+  resolution = search_step(policy)
   slots_max = int(cfg.sampler.max_concurrent_decodes)
   if floor is not None:
     lo = min(max(lo, floor.bound), hi)
