@@ -50,7 +50,10 @@ Names are flat and prefixed by area, following the seed's monitoring table:
                  next window's predicted_steps_per_hour, predicted_queue_depth,
                  predicted_staleness, predicted_discard_rate, the window's
                  measured_steps_per_hour, simulations run and seconds spent computing
-                 (off the trainer thread), and the window-ahead check of the window's
+                 (off the trainer thread), advice_computed (1, or 0 when the last restart
+                 advice was reused), data_wait_share (the window's trainer wait on an
+                 empty queue) and admission_floor (the least bound it allows next),
+                 and the window-ahead check of the window's
                  prediction against its measurement:
                  steps_per_hour_error, queue_depth_error, staleness_error =
                  (predicted - measured) / measured (queue depth, staleness: / max(measured, 1))
@@ -105,6 +108,8 @@ DESCRIPTIONS = {
     "control/decode_slots": "decode slots the live controller lets the sampler use",
     "control/steps_per_hour_error": "(predicted - measured) / measured optimizer steps per "
                                     "hour of a control window, predicted one window ahead",
+    "control/advice_computed": "1 when a control window recomputed the restart advice, 0 "
+                               "when its inputs stayed within 10% and the last was reused",
     "control/apply_lag_steps": "optimizer steps from a control window's end to the step "
                                "that applied its decision (its computation runs off the "
                                "trainer thread)",

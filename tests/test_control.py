@@ -421,7 +421,7 @@ def test_an_inline_executor_decides_as_the_synchronous_controller():
       "control/predicted_discard_rate": p["discard_rate"],
       "control/measured_steps_per_hour":
           profile_lib.steady_state(rows[:11], skip_frac=0.0)["steps_per_hour"],
-      "control/simulations": first.simulations}
+      "control/simulations": first.simulations, "control/advice_computed": 1.0}
   assert out[10]["control/seconds"] > 0
   err = live.errors(p, profile_lib.steady_state(rows[10:21], skip_frac=0.0))
   assert (out[20]["control/steps_per_hour_error"], out[20]["control/queue_depth_error"],
@@ -496,6 +496,7 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   # is measured (step 21 would have ended one), and the config's settings stay.
   # compute(cfg, policy, every, memory_gib, step, ...): the job of the window ending at 11.
   assert len(ex.jobs) == 1 and ex.jobs[0][1] is control.compute and ex.jobs[0][2][4] == 11
+  first_rows, first_counts = ex.jobs[0][2][5], ex.jobs[0][2][6]
   assert [o["control/admission_bound"] for o in out] == [24] * 25
   assert all(set(o) == {"control/admission_bound", "control/decode_slots"} for o in out)
   assert ctl.summary()["control_decisions"] == [{"step": 11, "skipped": "the run ended first"}]
@@ -519,8 +520,13 @@ def test_a_held_back_computation_is_applied_late_and_governs_the_next_window():
   feed(27, 35)
   assert ex.jobs == []
   feed(36, 36)
-  ((_, _, (*_, end, win, counts, predicted, floor)),) = ex.jobs
+  ((_, _, (*_, end, win, counts, predicted, floor, advised)),) = ex.jobs
   assert floor == live.Floor()  # the simulated rows record no data wait
+  # The advice computed on the first window, with its inputs, goes to the next one.
+  assert advised["windows"] == 1
+  assert advised["advice"] == {k: v for k, v in ctl.advice[0].items() if k != "step"}
+  assert advised["inputs"] == live.advice_inputs(
+      first_rows, first_counts, profile_lib.steady_state(first_rows, skip_frac=0.0))
   assert end == 36 and [r["step"] for r in win] == list(range(26, 37))
   assert win[-1] == rows[35]  # the window's rows as they were at its end
   assert counts[live.FILTER_COUNTS[1]] == 2 * 10
@@ -729,3 +735,57 @@ def test_a_window_that_held_a_stall_keeps_the_settings_and_predicts_nothing():
   assert out[20]["control/admission_bound"] == ctl.decisions[0]["admission_bound"]
   assert "control/predicted_steps_per_hour" not in out[20] and ctl._predicted is None
   assert ctl.console.lines[-1].endswith("no prediction (noted once per run)")
+
+
+def test_advice_inputs_and_when_the_last_advice_still_holds():
+  rows = [{"step": s, "lengths/p50": p50, "latency/verifier_mean": v}
+          for s, p50, v in ((10, 99.0, 9.0), (11, 4.0, 0.2), (12, 6.0, 0.4), (13, 5.0, 0.3))]
+  counts = {"groups_completed": 40, "groups_filtered_zero_variance": 10}
+  got = live.advice_inputs(rows, counts, {"steps_per_hour": 1234.5})
+  # The row before the window (step 10) is not the window's.
+  assert got == {"steps_per_hour": 1234.5, "completion_p50": np.mean([4.0, 6.0, 5.0]),
+                 "verifier_mean_s": np.mean([0.2, 0.4, 0.3]), "filtered_share": 0.25}
+  assert live.advice_inputs(rows, {}, {"steps_per_hour": 1.0})["filtered_share"] == 0.0
+  last = {"inputs": got, "advice": None, "windows": 1}
+  assert not live.advice_current(None, got)
+  assert live.advice_current(last, got)
+  assert live.advice_current(dict(last, windows=live.ADVICE_EVERY - 1), got)
+  assert not live.advice_current(dict(last, windows=live.ADVICE_EVERY), got)
+  for key in got:
+    near, far = dict(got), dict(got)
+    near[key] *= 1 + 0.9 * live.ADVICE_MOVED
+    far[key] *= 1 + 1.1 * live.ADVICE_MOVED
+    assert live.advice_current(last, near) and not live.advice_current(last, far), key
+  # An input that was 0 holds only while it stays 0.
+  zero = dict(got, filtered_share=0.0)
+  assert live.advice_current(dict(last, inputs=zero), zero)
+  assert not live.advice_current(dict(last, inputs=zero), dict(zero, filtered_share=0.01))
+
+
+def test_the_controller_recomputes_the_advice_when_its_inputs_move_or_every_third_window(
+    monkeypatch):
+  cfg = _cfg()
+  rows = _rows(cfg, _profile(train_fixed_s=1e-3, decode_step_s=2e-3), 61)
+  for r in rows:  # steady inputs, but in the 5th and 6th windows the answers grow 50%
+    r["lengths/p50"] = 6.0 if r["step"] > 41 else 4.0
+    r["latency/verifier_mean"] = 0.1
+  advice = {"change": "weight_sync_every 2", "overrides": ["--config.rl.weight_sync_every=2"],
+            "gain": 0.2, "steps_per_hour": 120.0, "current_steps_per_hour": 100.0}
+  calls = []
+
+  def advise(cfg, profile, **kw):
+    calls.append(profile)
+    return advice
+
+  monkeypatch.setattr(live, "advise", advise)
+  ctl = _controller(cfg)
+  out = [ctl.after_row(r["step"], r) for r in rows]
+  applied = [(r["step"], o["control/advice_computed"]) for r, o in zip(rows, out)
+             if "control/advice_computed" in o]
+  # Windows end at 11, 21, ..., 61: computed at the first, reused for two more windows,
+  # computed at the 4th (three windows old), at the 5th (lengths moved), reused at the 6th.
+  assert applied == [(11, 1.0), (21, 0.0), (31, 0.0), (41, 1.0), (51, 1.0), (61, 0.0)]
+  assert len(calls) == 3
+  assert [d["advice_computed"] for d in ctl.decisions] == [True, False, False, True, True,
+                                                           False]
+  assert len(ctl.console.lines) == 1 and [a["step"] for a in ctl.advice] == [11]

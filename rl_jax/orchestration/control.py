@@ -19,7 +19,10 @@ its own, so the computation never holds the run's GIL), which:
      from trainer/data_wait_frac before the submission, lifts it above the settings that
      window ran under; a window that held a stall does not count);
   4. advises what only a restart can change (planner.live.advise; another split must fit
-     the memory the run's devices report, device_memory_gib).
+     the memory the run's devices report, device_memory_gib), or reuses the last advice
+     while the window's inputs stay within 10% of those it was computed on, for 3
+     windows at most (planner.live.advice_current: most of a computation's time is the
+     advice's simulations; control/advice_computed says which).
 The first after_row that finds the work done applies it on the trainer thread:
 RolloutQueue.set_limit (StalenessPolicy clamps it into its admission_range, never above
 the staleness rule) and Generator.slot_limit; it writes the control/* metrics on that
@@ -136,14 +139,17 @@ def make_executor(cfg) -> concurrent.futures.Executor:
 
 
 def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: list[dict],
-            counts: dict, predicted, floor=None) -> dict:
+            counts: dict, predicted, floor=None, advised=None) -> dict:
   """A window's computation, on the executor (module docstring): the check of
   `predicted` against the window, the refit, the decision (no lower than `floor`,
-  planner.live.Floor) and the advice; any error becomes "reason". Reads only its
+  planner.live.Floor) and the advice, or the last advice (`advised`: {"inputs",
+  "advice", "windows"}) while planner.live.advice_current holds; "advised" in the
+  result is that state after this window. Any error becomes "reason". Reads only its
   arguments (picklable: a process runs it)."""
   from rl_jax.planner import live, profile as profile_lib
   t0 = time.perf_counter()
-  res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": ""}
+  res = {"measured": None, "errors": None, "decision": None, "advice": None, "reason": "",
+         "advised": advised}
   try:
     res["measured"] = measured = profile_lib.steady_state(rows, skip_frac=0.0)
     if predicted is not None:
@@ -155,8 +161,14 @@ def compute(cfg, policy, every: int, memory_gib: float | None, step: int, rows: 
       profile = live.refit(cfg, rows, counts)
       res["decision"] = live.decide(cfg, profile, policy, window_steps=every,
                                     min_active=live.observed_active(cfg, rows), floor=floor)
-      res["advice"] = live.advise(cfg, profile, num_steps=max(every // 2, 3),
-                                  memory_gib=memory_gib)
+      inputs = live.advice_inputs(rows, counts, measured)
+      if live.advice_current(advised, inputs):
+        res["advice"] = advised["advice"]
+        res["advised"] = dict(advised, windows=advised["windows"] + 1)
+      else:
+        res["advice"] = live.advise(cfg, profile, num_steps=max(every // 2, 3),
+                                    memory_gib=memory_gib)
+        res["advised"] = {"inputs": inputs, "advice": res["advice"], "windows": 1}
   except UserError as e:
     res["reason"] = f"no refit: {e}"
   except Exception as e:  # noqa: BLE001  (the controller only tunes: the run goes on)
@@ -201,6 +213,7 @@ class Controller:
     self._pending = None  # (the window's end step, the Future of its computation)
     self._predicted: dict | None = None
     self._advised: set[tuple] = set()  # override sets already printed
+    self._advice_state: dict | None = None  # the last advice computed and its inputs
     from rl_jax.planner import live
     self.floor = live.Floor()  # the least settings the trainer's starvation allows
     self._share: float | None = None  # the submitted window's data-wait share
@@ -252,7 +265,7 @@ class Controller:
                                     step=live.search_step(self.policy))
     self._pending = (step, self.executor.submit(
         compute, self._plan_cfg, self.policy, self.every, self.memory_gib, step, rows, counts,
-        self._predicted, self.floor))
+        self._predicted, self.floor, self._advice_state))
 
   def _take(self, end: int, step: int, res: dict) -> dict:
     """Applies the computation of the window that ended at step `end`, at step `step`:
@@ -281,6 +294,10 @@ class Controller:
       self.decisions.append({**entry, "skipped": res["reason"]})
       return out
     decision = res["decision"]
+    computed = res["advised"]["windows"] == 1  # else the last advice, reused
+    self._advice_state = res["advised"]
+    out["control/advice_computed"] = float(computed)
+    entry["advice_computed"] = computed
     self._apply(decision)
     self._predicted = p = decision.predicted
     out.update({"control/predicted_steps_per_hour": p["steps_per_hour"],

@@ -36,7 +36,11 @@ half a window (0.45 s in all on a window of configs/length_drift.py, one core).
            devices, weight_sync_every in {1, 2, 4} and group sizes G/2 and 2G at the same
            rollouts per step (groups_per_step x G), all at the same max_staleness: the
            best one when it predicts >= min_gain more optimizer steps per hour, as the
-           --config overrides to restart with; else None.
+           --config overrides to restart with; else None. A run's controller reuses
+           the last advice while the window's inputs (advice_inputs: steps/hour,
+           median completion length, verifier latency, filtered share) stay within
+           ADVICE_MOVED (10%) of those it was computed on, for ADVICE_EVERY (3) windows
+           at most (advice_current).
 """
 from __future__ import annotations
 
@@ -315,6 +319,35 @@ def advise(cfg, profile, *, num_steps: int, min_gain: float = 0.15,
     return None
   best.update(gain=best["steps_per_hour"] / current - 1, current_steps_per_hour=current)
   return best
+
+
+# The advice is recomputed when the window's inputs moved by more than ADVICE_MOVED
+# (relative) from those of the window it was last computed on, and at least every
+# ADVICE_EVERY windows: most of a window's computation is the advice's simulations.
+ADVICE_MOVED = 0.10
+ADVICE_EVERY = 3
+
+
+def advice_inputs(rows: list[dict], counts: dict | None, measured: dict) -> dict[str, float]:
+  """What the advice's prediction follows, measured over a window: its optimizer steps
+  per hour, median completion length, mean verifier latency and filtered share."""
+  win = rows[1:] or rows
+  counts = counts or {}
+  completed = counts.get(FILTER_COUNTS[0], 0)
+  return {"steps_per_hour": float(measured["steps_per_hour"]),
+          "completion_p50": float(np.mean([r.get("lengths/p50", 0.0) for r in win])),
+          "verifier_mean_s": float(np.mean([r.get("latency/verifier_mean", 0.0) for r in win])),
+          "filtered_share": counts.get(FILTER_COUNTS[1], 0) / completed if completed else 0.0}
+
+
+def advice_current(last: dict | None, inputs: dict[str, float]) -> bool:
+  """Whether the advice computed last (`last`: {"inputs", "advice", "windows"}, the
+  windows it has served) still holds for a window with these inputs: it was computed
+  fewer than ADVICE_EVERY windows ago and no input moved by more than ADVICE_MOVED."""
+  if last is None or last["windows"] >= ADVICE_EVERY or set(last["inputs"]) != set(inputs):
+    return False
+  return all(abs(inputs[k] - v) <= ADVICE_MOVED * max(abs(v), 1e-9)
+             for k, v in last["inputs"].items())
 
 
 def last_window(pilot: profile_lib.Pilot, steps: int) -> profile_lib.Pilot:
