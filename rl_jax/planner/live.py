@@ -344,7 +344,7 @@ def advice_current(last: dict | None, inputs: dict[str, float]) -> bool:
   """Whether the advice computed last (`last`: {"inputs", "advice", "windows"}, the
   windows it has served) still holds for a window with these inputs: it was computed
   fewer than ADVICE_EVERY windows ago and no input moved by more than ADVICE_MOVED."""
-  if last is None or last["windows"] >= ADVICE_EVERY or set(last["inputs"]) != set(inputs):
+  if last is None or last["windows"] >= ADVICE_EVERY:
     return False
   return all(abs(inputs[k] - v) <= ADVICE_MOVED * max(abs(v), 1e-9)
              for k, v in last["inputs"].items())
