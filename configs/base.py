@@ -122,9 +122,11 @@ def get_config(arg=None):
   # admission: every control_every optimizer steps the planner's models are refitted from
   # the run's own recent metrics and set the async admission bound and the decode slots in
   # use (within the config's limits and the staleness rule), never below a floor that a
-  # window whose trainer waited on an empty queue raises. auto (the default): admission in
-  # async mode, off in sync mode (which it never changes). README, Live capacity control.
-  c.rl.control = "auto"
+  # window whose trainer waited on an empty queue raises. auto: admission in async mode,
+  # off in sync mode (which it never changes). Off by default: on a workload whose lengths
+  # do not drift it holds the fixed settings and its process cost about 4% of steps per
+  # hour (docs/live_control.md); configs/length_drift.py turns it on.
+  c.rl.control = "off"
   c.rl.control_every = 20  # optimizer steps per control window
 
   c.warmstart = ml_collections.ConfigDict()

@@ -18,7 +18,7 @@ from configs import default
 def get_config(arg=None):
   variants = dict(kv.partition("=")[::2] for kv in (arg or "").split(",") if kv)
   c = default.get_config("mode=" + variants.pop("mode") if "mode" in variants else None)
-  c.rl.control = "auto"  # live control on in async mode (the base default)
+  c.rl.control = "auto"  # live control in async mode (off in the base default)
   if "control" in variants:
     c.rl.control = variants.pop("control")
   if variants:
