@@ -88,3 +88,9 @@ class Group:
 
   def staleness(self, trainer_version: int) -> int:
     return max(r.staleness(trainer_version) for r in self.rollouts)
+
+  @property
+  def min_version(self) -> int:
+    """The oldest policy version among its rollouts' tokens (staleness = trainer version
+    minus this)."""
+    return min((r.min_version for r in self.rollouts), default=0)

@@ -36,6 +36,14 @@ changes the run and its prediction alike. It imports nothing but the standard li
                            returns only at publication, so the admission bound must hold
                            the weight_sync_every batches trained before one,
                            max_inflight >= groups_per_step * weight_sync_every
+  next_index(versions)     which queued group the trainer takes next, given each queued
+                           group's oldest token version in arrival order: the first
+                           (rl.queue_order="fifo", and always in sync mode, where every
+                           queued group has the trainer's version), or the first of those
+                           sampled by the oldest policy version ("oldest_version"): a
+                           group whose slowest verification ran long is trained before
+                           the next version's groups that overtook it, instead of aging
+                           past the bound behind them. The acceptance rule is unchanged
   a group dropped before the queue (verifier.on_error="drop") returns its credit at once
                            (RolloutQueue.drop), so drops can never stall admission
   filters(rewards, n)      rl.filter_groups="zero_variance": a verified group whose rewards
@@ -73,6 +81,7 @@ class StalenessPolicy:
   weight_sync_every: int
   filter_zero_variance: bool = False
   max_oversample: int = 4
+  queue_order: str = "fifo"
 
   @classmethod
   def from_config(cls, rl) -> StalenessPolicy:
@@ -81,12 +90,14 @@ class StalenessPolicy:
                     max_staleness=rl.max_staleness, max_inflight_groups=rl.max_inflight_groups,
                     queue_maxsize=rl.queue_maxsize, weight_sync_every=rl.weight_sync_every,
                     filter_groups=getattr(rl, "filter_groups", "none"),
-                    max_oversample=getattr(rl, "max_oversample", 4))
+                    max_oversample=getattr(rl, "max_oversample", 4),
+                    queue_order=getattr(rl, "queue_order", "fifo"))
 
   @classmethod
   def make(cls, *, mode: str, groups_per_step: int, max_staleness: int,
            max_inflight_groups: int, queue_maxsize: int, weight_sync_every: int,
-           filter_groups: str = "none", max_oversample: int = 4):
+           filter_groups: str = "none", max_oversample: int = 4,
+           queue_order: str = "fifo"):
     """max_inflight_groups -1 means auto, (max_staleness + 1) * groups_per_step."""
     sync = mode == "sync"
     inflight = groups_per_step if sync else admission_bound(
@@ -96,7 +107,7 @@ class StalenessPolicy:
                max_staleness=int(max_staleness), max_inflight=int(inflight),
                queue_maxsize=int(queue_maxsize), weight_sync_every=int(weight_sync_every),
                filter_zero_variance=filter_groups == "zero_variance",
-               max_oversample=int(max_oversample))
+               max_oversample=int(max_oversample), queue_order=str(queue_order))
 
   @property
   def bound(self) -> int:
@@ -132,6 +143,22 @@ class StalenessPolicy:
       return True
     return (admitted < (steps_done + 1) * self.groups_per_step
             and sampler_version == trainer_version)
+
+  @property
+  def orders_by_version(self) -> bool:
+    """Whether next_index looks at versions (async with rl.queue_order="oldest_version")."""
+    return not self.sync and self.queue_order == "oldest_version"
+
+  def next_index(self, versions) -> int:
+    """Index of the group the trainer takes next; `versions` holds each queued group's
+    oldest token version in arrival order (module docstring). Ties go to arrival."""
+    if not self.orders_by_version or len(versions) == 0:
+      return 0
+    best = 0
+    for i, v in enumerate(versions):
+      if v < versions[best]:
+        best = i
+    return best
 
   @property
   def filter_budget(self) -> int:

@@ -1,11 +1,13 @@
-"""A bounded FIFO of verified groups, with the accounting that drives admission.
+"""A bounded queue of verified groups, with the accounting that drives admission.
 
 The sampler thread admits a group only when `can_admit()`; verifier callbacks `put`
 completed groups; the trainer `get`s them and `release`s them when the staleness policy
 returns their admission credit (rl_jax/orchestration/policy.py). Admission counts a group
 from the moment it is admitted until that release, so the queue can never hold more than
 its bound, a put never blocks, and a group admitted now is at most max_staleness versions
-old when the trainer reaches it.
+old when the trainer reaches it. The trainer takes groups in arrival order, or, with
+rl.queue_order="oldest_version", those sampled by the oldest policy version first
+(StalenessPolicy.next_index); each group's oldest version is kept beside it from `put`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class RolloutQueue:
   def __init__(self, policy: StalenessPolicy):
     self.policy = policy
     self._q: collections.deque[Group] = collections.deque()
+    self._versions: collections.deque[int] = collections.deque()  # _q's min versions
     self._cv = threading.Condition()
     self.inflight = 0  # admitted, not yet in the queue (sampling or verifying)
     self.held = 0  # dequeued by the trainer, not yet released
@@ -52,6 +55,7 @@ class RolloutQueue:
       group.enqueued = time.time()
       self.inflight -= 1
       self._q.append(group)
+      self._versions.append(group.min_version if self.policy.orders_by_version else 0)
       self.enqueued_total += 1
       if len(self._q) > self.policy.queue_maxsize:
         raise RuntimeError(f"rollout queue exceeded its bound {self.policy.queue_maxsize}: "
@@ -60,7 +64,8 @@ class RolloutQueue:
       self._cv.notify_all()
 
   def get(self, timeout: float | None = None) -> Group | None:
-    """Oldest group, or None after `timeout` seconds / when closed."""
+    """The next group in the policy's order, or None after `timeout` seconds / when
+    closed."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cv:
       while not self._q and not self._closed:
@@ -72,7 +77,14 @@ class RolloutQueue:
         return None
       self.dequeued_total += 1
       self.held += 1
-      return self._q.popleft()
+      i = self.policy.next_index(self._versions)
+      self._versions.rotate(-i)
+      self._q.rotate(-i)
+      self._versions.popleft()
+      group = self._q.popleft()
+      self._versions.rotate(i)
+      self._q.rotate(i)
+      return group
 
   def release(self, n: int = 1) -> None:
     """Groups the trainer has finished with (credit returned by the policy, or discarded)."""
@@ -92,12 +104,14 @@ class RolloutQueue:
     in order, no longer held."""
     with self._cv:
       self._q.extendleft(reversed(groups))
+      self._versions.extendleft(reversed([g.min_version if self.policy.orders_by_version
+                                          else 0 for g in groups]))
       self.held -= len(groups)
       self.dequeued_total -= len(groups)
       self._cv.notify_all()
 
   def groups(self) -> list[Group]:
-    """The queued groups, oldest first (a checkpoint carries them)."""
+    """The queued groups in arrival order (a checkpoint carries them)."""
     with self._cv:
       return list(self._q)
 

@@ -237,7 +237,8 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
       sampler_share=profile.sampler_share if profile is not None else 1.0,
       trainer_share=profile.trainer_share if profile is not None else 1.0,
       filter_groups=str(getattr(rl, "filter_groups", "none")),
-      max_oversample=int(getattr(rl, "max_oversample", 4)), uniform_rate=float(uniform_rate))
+      max_oversample=int(getattr(rl, "max_oversample", 4)), uniform_rate=float(uniform_rate),
+      queue_order=str(getattr(rl, "queue_order", "fifo")))
 
 
 def pilot_layout(cfg) -> Layout:

@@ -54,6 +54,7 @@ class Scenario:
   filter_groups: str = "none"
   max_oversample: int = 4
   uniform_rate: float = 0.0
+  queue_order: str = "fifo"  # rl.queue_order: the trainer's pick from the queue
 
   @property
   def policy(self) -> StalenessPolicy:
@@ -61,4 +62,4 @@ class Scenario:
         mode=self.mode, groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
         max_inflight_groups=self.max_inflight_groups, queue_maxsize=self.queue_maxsize,
         weight_sync_every=self.weight_sync_every, filter_groups=self.filter_groups,
-        max_oversample=self.max_oversample)
+        max_oversample=self.max_oversample, queue_order=self.queue_order)

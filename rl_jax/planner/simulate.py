@@ -33,8 +33,9 @@ so a Scenario always gives the same Prediction. What is simulated, as loop.py do
               budget) decides whether it is filtered: not queued, its credit returned at
               once, and in sync mode replaced (at the same version) once the round's
               groups are all verified. The trainer's batch is the informative groups.
-  training    the trainer takes groups in queue order, discards those the policy does not
-              accept (staleness = trainer_version - min version > bound), trains on
+  training    the trainer takes groups in the policy's order (arrival, or the oldest
+              version first: StalenessPolicy.next_index), discards those the policy does
+              not accept (staleness = trainer_version - min version > bound), trains on
               groups_per_step accepted groups for TrainerModel.step_s(padded tokens), then,
               when the policy publishes after that step, bumps the version and publishes
               for weight_sync_s (trainer busy throughout); held groups are released when
@@ -453,8 +454,15 @@ class _Sim(Report):
       self._poke(now)
 
   def _take(self, now: float) -> bool:
-    """Dequeues the oldest group into the batch, or discards it as the policy says."""
-    group = self.groups.pop(self.queue.popleft())
+    """Dequeues the next group in the policy's order into the batch (the first, or the
+    first of the oldest version), or discards it as the policy says."""
+    i = 0
+    if self.policy.orders_by_version:
+      i = self.policy.next_index([self.groups[g].min_version for g in self.queue])
+    self.queue.rotate(-i)
+    gid = self.queue.popleft()
+    self.queue.rotate(i)
+    group = self.groups.pop(gid)
     staleness = self.version - int(group.min_version)
     if not self.policy.accepts(staleness):
       self.discarded_groups += 1
