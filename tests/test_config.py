@@ -166,6 +166,7 @@ def test_bad_file_and_variant(tmp_path):
     ("rl.max_oversample", 0, ["rl.max_oversample", ">= 1"]),
     ("rl.overlong", "clip", ["rl.overlong", "'none', 'mask', 'penalty'"]),
     ("rl.control", "on", ["rl.control", "'auto', 'off', 'admission'"]),
+    ("rl.queue_order", "lifo", ["rl.queue_order", "'fifo', 'oldest_version'", "'lifo'"]),
     ("model.lora.rank", -1, ["model.lora.rank", ">= 0"]),
     ("model.lora.alpha", 0.0, ["model.lora.alpha", "> 0"]),
     ("model.lora.dropout", 1.0, ["model.lora.dropout", "[0, 1)"]),

@@ -2,6 +2,7 @@
 loop's pieces and the planner's simulation taking the same decisions on one event
 sequence."""
 import collections
+import dataclasses
 import os
 
 import numpy as np
@@ -106,12 +107,17 @@ def _group(gid: int, version: int) -> Group:
 
 @pytest.mark.parametrize("rl", [_rl(), _rl(max_staleness=0), _rl(weight_sync_every=2),
                                 _rl(mode="sync"), _rl(mode="sync", weight_sync_every=2),
-                                _rl(max_inflight_groups=5, queue_maxsize=3)])
+                                _rl(max_inflight_groups=5, queue_maxsize=3),
+                                _rl(queue_order="oldest_version"),
+                                _rl(max_staleness=0, queue_order="oldest_version"),
+                                _rl(mode="sync", queue_order="oldest_version")])
 def test_planner_and_loop_take_the_same_decisions(rl):
   """One random sequence of admissions, verified groups, dequeues, train steps and
   sampler swaps, applied to the loop's pieces (RolloutQueue plus the loop's barrier and
   credit bookkeeping) and to the planner's simulation state: every admission, acceptance,
-  publication and credit release comes out the same."""
+  publication and credit release comes out the same, and the trainer takes the same
+  group (groups finish verifying out of order, so the queue's arrival order is not the
+  versions' order)."""
   policy = StalenessPolicy.make(**rl)
   sim = _Sim(_scenario(rl))  # pylint: disable=protected-access
   assert sim.policy == policy
@@ -121,6 +127,7 @@ def test_planner_and_loop_take_the_same_decisions(rl):
   batch: list[Group] = []
   rng = np.random.default_rng(0)
   decisions = collections.Counter()
+  versions = {}
   for i in range(3000):
     now = float(i + 1)
     loop_admits = queue.can_admit() and policy.barrier_allows(
@@ -134,13 +141,16 @@ def test_planner_and_loop_take_the_same_decisions(rl):
       loop["admitted"] += 1
       gid = sim._admit_one(now)
       sim.groups[gid].min_version = sim.sampler_version
+      versions[gid] = loop["sampler_version"]
       verifying.append((gid, loop["sampler_version"]))
     elif kind == 1 and verifying:
+      verifying.rotate(-int(rng.integers(len(verifying))))
       gid, version = verifying.popleft()
       queue.put(_group(gid, version))
       sim.trainer_busy = True  # the test, not the simulation, decides when to dequeue
       sim._verified(now, gid)
     elif kind == 2 and queue.snapshot()["depth"] and len(batch) < rl["groups_per_step"]:
+      before = list(sim.queue)
       group = queue.get(timeout=0)
       loop_accepts = policy.accepts(group.staleness(loop["version"]))
       if loop_accepts:
@@ -148,6 +158,12 @@ def test_planner_and_loop_take_the_same_decisions(rl):
       else:
         queue.release()
       assert sim._take(now) == loop_accepts
+      assert set(before) - set(sim.queue) == {group.group_id}
+      if policy.orders_by_version:  # the first group of the oldest version queued
+        assert group.group_id == min(before, key=lambda g: (versions[g], before.index(g)))
+      else:
+        assert group.group_id == before[0]
+      decisions["out_of_order"] += group.group_id != before[0]
       decisions["accept" if loop_accepts else "discard"] += 1
     elif kind == 3 and len(batch) == rl["groups_per_step"]:
       loop["steps"] += 1
@@ -171,3 +187,47 @@ def test_planner_and_loop_take_the_same_decisions(rl):
   assert min(decisions["admit"], decisions["accept"], decisions["release"]) > 10, decisions
   if rl["mode"] == "async" and rl["max_staleness"] == 0:
     assert decisions["discard"] > 0, decisions
+  # Only oldest_version in async mode ever takes a group that is not the first to arrive.
+  assert (decisions["out_of_order"] > 0) == (rl.get("queue_order") == "oldest_version"
+                                             and rl["mode"] == "async"), decisions
+
+
+def test_next_index_is_the_first_of_the_oldest_version():
+  """NumPy reference: np.argmin returns the first minimum, i.e. ties by arrival."""
+  rng = np.random.default_rng(1)
+  oldest = StalenessPolicy.make(**_rl(queue_order="oldest_version"))
+  fifo = StalenessPolicy.make(**_rl())
+  sync = StalenessPolicy.make(**_rl(mode="sync", queue_order="oldest_version"))
+  assert oldest.orders_by_version and not fifo.orders_by_version and not sync.orders_by_version
+  for _ in range(200):
+    versions = rng.integers(0, 4, size=int(rng.integers(1, 12))).tolist()
+    assert oldest.next_index(versions) == int(np.argmin(versions))
+    assert fifo.next_index(versions) == 0 and sync.next_index(versions) == 0
+  assert oldest.next_index([]) == 0
+
+
+def test_queue_hands_out_the_oldest_version_first_and_unget_restores_it():
+  """Groups verified out of order (versions 2, 0, 1, 0, 2 by arrival): oldest_version
+  hands them out by version, ties by arrival (a stable argsort); fifo by arrival. A
+  group put back (a batch cut short) is handed out again first."""
+  arrival = [2, 0, 1, 0, 2]
+  for order, expected in (("oldest_version", np.argsort(arrival, kind="stable").tolist()),
+                          ("fifo", list(range(5)))):
+    queue = RolloutQueue(StalenessPolicy.make(**_rl(queue_order=order, queue_maxsize=8,
+                                                    groups_per_step=8)))
+    queue.admitted(5)
+    for gid, version in enumerate(arrival):
+      queue.put(_group(gid, version))
+    first = queue.get(timeout=0)
+    queue.unget([first])
+    taken = [queue.get(timeout=0).group_id for _ in range(5)]
+    assert first.group_id == expected[0] and taken == expected, order
+    assert queue.get(timeout=0) is None and queue.snapshot()["held"] == 5
+    assert [g.group_id for g in queue.groups()] == []
+
+
+def test_group_min_version_is_the_oldest_token_version_of_its_rollouts():
+  group = _group(0, 3)
+  r = group.rollouts[0]
+  group.rollouts.append(dataclasses.replace(r, token_versions=np.array([1, 4], np.int32)))
+  assert group.min_version == 1 and group.staleness(5) == 4
