@@ -247,18 +247,18 @@ def test_a_lora_base_without_warm_up_is_read_in_param_dtype(tmp_path):
   from rl_jax import checkpoint as ck
   from rl_jax import config as config_lib
   from rl_jax.model import hf_io
-  from rl_jax.orchestration import loop
+  from rl_jax.orchestration import build
   hf = str(tmp_path / "hf")
   base = jax.tree.map(np.asarray, model.init_params(_model_cfg(), jax.random.key(5)))
   model.save_pretrained(hf, _model_cfg(), base)
   cfg = config_lib.base_config()
   cfg.model.path, cfg.model.param_dtype = hf, "bfloat16"
   cfg.warmstart.steps = 0
-  assert loop.initial_weights_dtype(cfg) == "float32"  # full fine-tuning: master params
+  assert build.initial_weights_dtype(cfg) == "float32"  # full fine-tuning: master params
   cfg.model.lora.rank = RANK
-  assert loop.initial_weights_dtype(cfg) == "bfloat16"
+  assert build.initial_weights_dtype(cfg) == "bfloat16"
   cfg.warmstart.steps = 5  # the warm-up trains the full model first
-  assert loop.initial_weights_dtype(cfg) == "float32"
+  assert build.initial_weights_dtype(cfg) == "float32"
   _, direct = hf_io.from_run_config(cfg.model, weights=True, weights_dtype="bfloat16")
   _, f32 = hf_io.from_run_config(cfg.model, weights=True)
   cast = jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16)), f32)

@@ -11,7 +11,7 @@ from configs import default
 from rl_jax import config as config_lib
 from rl_jax import model
 from rl_jax import sharding as shd
-from rl_jax.orchestration import loop
+from rl_jax.orchestration import build, loop
 from rl_jax.sampler import engine as E
 from rl_jax.sampler import generator as G
 from rl_jax.sampler import programs
@@ -192,24 +192,24 @@ def test_covered_prefill_writes_the_pages_an_exact_prefill_writes():
 
 def test_where_the_sampler_compiles():
   cfg = default.get_config()
-  assert loop.sampler_compile(cfg, multi=False) == "ahead"  # the default's choice
+  assert build.sampler_compile(cfg, multi=False) == "ahead"  # the default's choice
   cfg.sampler.compile = "auto"
-  assert loop.sampler_compile(cfg, multi=False) == "background"
-  assert loop.sampler_compile(cfg, multi=True) == "inline"
+  assert build.sampler_compile(cfg, multi=False) == "background"
+  assert build.sampler_compile(cfg, multi=True) == "inline"
   cfg.rl.mode = "sync"
-  assert loop.sampler_compile(cfg, multi=False) == "inline"
+  assert build.sampler_compile(cfg, multi=False) == "inline"
   with pytest.raises(config_lib.ConfigError, match="'sampler.compile' may be 'background' only"):
     cfg.sampler.compile = "background"
     config_lib.validate(cfg)
   cfg.rl.mode = "async"
   with pytest.raises(loop.RunError, match="single-process"):
-    loop.sampler_compile(cfg, multi=True)
+    build.sampler_compile(cfg, multi=True)
   cfg.sampler.compile = "ahead"  # the same programs every run: sync mode too
   for mode in ("async", "sync"):
     cfg.rl.mode = mode
     config_lib.validate(cfg)
-    assert loop.sampler_compile(cfg, multi=False) == "ahead"
-  assert loop.sampler_compile(cfg, multi=True) == "ahead"
+    assert build.sampler_compile(cfg, multi=False) == "ahead"
+  assert build.sampler_compile(cfg, multi=True) == "ahead"
   cfg.sampler.compile = "later"
   with pytest.raises(config_lib.ConfigError, match="sampler.compile"):
     config_lib.validate(cfg)

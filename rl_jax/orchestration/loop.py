@@ -33,7 +33,8 @@ Staleness of a group at consumption = trainer_version - min over its tokens' ver
 Held-out evaluation pauses the sampler and the clock, so wall_time_s compares modes on
 the pipeline alone; its generator borrows the paused sampler's KV pool (no second
 pool). Counters, the metrics row and summary.json: accounting.py. Checkpoints, resume,
-SIGTERM and failures: checkpointing.py. Supervised warm-up: warmstart.py.
+SIGTERM and failures: checkpointing.py. Supervised warm-up: warmstart.py. The parts, built
+from the config: build.py.
 
 Live capacity control (rl.control, async): every rl.control_every steps the planner
 refits its models from the run's own rows, on a background thread, and sets the admission
@@ -46,7 +47,6 @@ evaluation code (`multihost.follow`, rl_jax/orchestration/multihost.py).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import sys
@@ -56,24 +56,15 @@ import time
 from rl_jax import config as config_lib
 from rl_jax import metrics as metrics_lib
 from rl_jax.errors import UserError
-from rl_jax.orchestration import checkpointing, control, warmstart
-from rl_jax.orchestration.accounting import Clock, RunAccounting
+from rl_jax.orchestration import build, checkpointing, control, warmstart
+from rl_jax.orchestration.accounting import Clock
 from rl_jax.orchestration.errors import Preempted, RunError
-from rl_jax.orchestration.heldout import make_heldout
 from rl_jax.orchestration.policy import StalenessPolicy
 from rl_jax.orchestration.rollout_queue import RolloutQueue
-from rl_jax.orchestration.sampler_worker import Publication, SamplerWorker
+from rl_jax.orchestration.sampler_worker import Publication
 from rl_jax.types import Group
 
 __all__ = ["Pipeline", "Preempted", "RunError", "run"]
-
-
-def initial_weights_dtype(cfg) -> str:
-  """The dtype model.path's weights are read in: model.param_dtype for a LoRA base that
-  no warm-up trains (it is only ever frozen in that dtype: no float32 copy, 4 bytes per
-  weight, on the way), else float32 (the trainer's master params)."""
-  frozen = cfg.model.lora.rank > 0 and int(cfg.warmstart.steps) <= 0
-  return cfg.model.param_dtype if frozen else "float32"
 
 
 class Pipeline:
@@ -92,11 +83,11 @@ class Pipeline:
     self.meshes = sharding.make_meshes(cfg.mesh, multihost.role_devices() if multi else None)
     process0 = jax.process_index() == 0
     self.console = metrics_lib.Console(cfg.metrics.console and process0)
-    init_params = self._make_data(multi)
-    self._make_models(init_params, multi)
+    init_params = build.make_data(self, multi)
+    build.make_models(self, init_params, multi)
     self.queue = RolloutQueue(self.policy)
     self.writer = metrics_lib.MetricWriter(workdir, cfg.metrics.tensorboard, enabled=process0)
-    self._make_workers()
+    build.make_workers(self)
     self.control = self._controls = None
     if control.active(cfg, jax.process_count()):
       # The controller's refit, decision and advice run in a process of their own.
@@ -122,91 +113,6 @@ class Pipeline:
     self.acc.data_counters = lambda: {
         **{f"prompts_{k}": v for k, v in self.prompts.counters.items()},
         **self.heldout.counters}
-
-  def _make_data(self, multi: bool):
-    """Model config, tokenizer, task, prompt stream, environment and held-out set; the
-    initial params. Notes sizes that make no sense for the backend."""
-    import jax
-    from rl_jax import envs
-    from rl_jax import model as model_lib
-    from rl_jax.data import prompts as prompts_lib
-    from rl_jax.orchestration import multihost, runtime
-    from rl_jax.tasks import make_task
-    cfg = self.cfg
-    self.model_cfg, init_params = model_lib.from_run_config(
-        cfg.model, weights=True, weights_dtype=initial_weights_dtype(cfg))
-    note = runtime.cpu_size_note(cfg, self.model_cfg, jax.default_backend())
-    if note:
-      self.console.message(note)
-    self.tokenizer = model_lib.load_tokenizer(cfg.model.preset, path=cfg.model.path)
-    self.task = make_task(cfg.task, seed=cfg.seed, on_bad_line=cfg.data.on_bad_line)
-    shard = multihost.prompt_shard() if multi else (jax.process_index(), jax.process_count())
-    self.prompts = prompts_lib.make_prompt_source(
-        self.task, cfg.data, self.tokenizer, seed=cfg.seed,
-        process_index=shard[0], process_count=shard[1])
-    self.env = envs.make_env(self.task, cfg.env)
-    if self.env is not None and multi:
-      raise RunError(f"task.name={cfg.task.name!r} uses tools, and tool-using episodes run "
-                     "in a single process for now; run it without jax.distributed")
-    self.heldout = make_heldout(cfg, self.task, self.tokenizer, env=self.env)
-    return init_params
-
-  def _make_models(self, init_params, multi: bool) -> None:
-    """Trainer and its state, weight sync, sampler engine."""
-    import jax
-    from rl_jax.orchestration import multihost
-    from rl_jax.orchestration.weight_sync import LayoutError, WeightSync
-    from rl_jax.sampler.engine import Engine, Sampling
-    from rl_jax.trainer.train_step import Trainer
-    cfg = self.cfg
-    self.trainer = Trainer(self.model_cfg, cfg.trainer, self.meshes.trainer,
-                           total_steps=cfg.rl.total_steps,
-                           sft_learning_rate=cfg.warmstart.learning_rate,
-                           loss_norm_len=cfg.trainer.loss_norm_len or cfg.sampler.max_new_tokens)
-    self.state = self.trainer.init_state(params=init_params, rng=jax.random.PRNGKey(cfg.seed))
-    try:
-      # Under LoRA state.params are the adapters: only they travel per publication.
-      self.weight_sync = WeightSync.for_policy(
-          self.model_cfg, jax.eval_shape(lambda: self.state.params),
-          trainer_shardings=self.trainer.param_shardings,
-          sampler_mesh=self.meshes.sampler, sampler_dtype=cfg.sampler.dtype,
-          colocated=self.meshes.colocated)
-    except LayoutError as e:
-      raise RunError(str(e)) from None
-    self.engine = Engine.from_config(cfg.sampler, self.model_cfg, mesh=self.meshes.sampler,
-                                     tokenizer=self.tokenizer)
-    self._compiler = None
-    where = sampler_compile(cfg, multi)
-    if where == "background":
-      self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-      self.engine.compile_in_background(self._compiler)
-    elif where == "ahead":
-      self.engine.compile_covers_only()
-    if multi:
-      self.engine = multihost.ReplicatedOutputs(self.engine)
-    self.sampling = Sampling(temperature=cfg.sampler.temperature, top_k=cfg.sampler.top_k,
-                             top_p=cfg.sampler.top_p)
-    self.evaluator = None  # made with the sampler's generator at the first publication
-
-  def _make_workers(self) -> None:
-    """Accounting, verifier pool, tool use and the sampler worker."""
-    from rl_jax.orchestration.episodes import ToolUse
-    from rl_jax.tasks.verifier_pool import VerifierPool
-    cfg = self.cfg
-    sampler_ids = {d.id for d in self.meshes.sampler.devices.flat}
-    trainer_ids = {d.id for d in self.meshes.trainer.devices.flat}
-    self.acc = RunAccounting(mode=cfg.rl.mode, sampler_devices=len(sampler_ids),
-                             trainer_devices=len(trainer_ids),
-                             total_devices=len(sampler_ids | trainer_ids))
-    # Followers take process 0's rewards from the event log and verify nothing.
-    self.pool = (None if self.schedule.follower
-                 else VerifierPool(self.task, cfg.verifier, seed=cfg.seed))
-    self.tools = (None if self.env is None
-                  else ToolUse(cfg, self.env, self.tokenizer, self.acc))
-    self.worker = SamplerWorker(
-        cfg=cfg, task=self.task, prompts=self.prompts, tokenizer=self.tokenizer,
-        queue=self.queue, policy=self.policy, accounting=self.acc, schedule=self.schedule,
-        pool=self.pool, on_error=self._fail, episodes=self.tools and self.tools.driver)
 
   def run(self) -> dict:
     """Warm-up (or resume from the newest checkpoint), train, evaluate; the summary.
@@ -525,21 +431,6 @@ class Pipeline:
     for pool in (self.pool, self.tools and self.tools.pool):
       if pool is not None:
         pool.close()
-
-
-def sampler_compile(cfg, multi: bool) -> str:
-  """Where the sampler's programs compile (sampler.compile; sampler/programs.py):
-  "background" in a single-process async run unless the config says "inline" or
-  "ahead" (only the covering programs, before the clock: the same programs in every
-  run and process), else "inline". Sync runs stay reproducible bit for bit, and every process of a
-  multi-process run launches the same programs."""
-  mode = cfg.sampler.compile
-  if mode == "background" and multi:
-    raise RunError("sampler.compile='background' needs a single-process run (every process "
-                   "must launch the same programs); use 'auto', 'inline' or 'ahead'")
-  if mode == "auto":
-    mode = "background" if cfg.rl.mode == "async" and not multi else "inline"
-  return mode
 
 
 def run(cfg, workdir: str) -> dict:
