@@ -29,16 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rl_jax import cli  # noqa: E402
 from rl_jax import config as config_lib  # noqa: E402
-from rl_jax import planner  # noqa: E402
-
-
-def _ints(text, flag, auto=False, kind=int):
-  """Comma-separated integers (or `kind`); with `auto`, the word auto means -1."""
-  try:
-    return [-1 if auto and v.strip() == "auto" else kind(v) for v in text.split(",") if v.strip()]
-  except ValueError:
-    sys.exit(f"error: {flag} takes comma-separated {kind.__name__}s{' (or auto)' if auto else ''}"
-             f", got {text!r}")
+from rl_jax.planner import commands  # noqa: E402
 
 
 def _main(argv):
@@ -64,44 +55,7 @@ def _main(argv):
   p.add_argument("--observation-tokens", type=int, default=16)
   p.add_argument("--filter-rate", type=float, default=None)
   p.add_argument("--out", default="runs/plan")
-  args = p.parse_args(rest)
-  if args.filter_rate is not None and not 0 <= args.filter_rate < 1:
-    sys.exit(f"error: --filter-rate must be in [0, 1), got {args.filter_rate}")
-  if args.filter_rate and cfg.rl.filter_groups == "none":
-    print("note: --filter-rate changes nothing with rl.filter_groups=none (uniform groups "
-          "are trained); add --config.rl.filter_groups=zero_variance to plan filtering")
-  turns = _ints(args.turns_per_episode, "--turns-per-episode", kind=float) or None
-  if turns:
-    turns = planner.turn_model(cfg, turns_per_episode=turns if len(turns) > 1 else turns[0],
-                               kind=args.turns_dist, observation_tokens=args.observation_tokens)
-  if args.from_run:
-    return _from_run(args.from_run, cfg, args.window)
-  if args.devices is None and not args.validate:
-    sys.exit("error: --devices is required (the cluster size to plan for)")
-  profile = None
-  if args.profile:
-    _, profile = planner.load_profile(args.profile, cfg=cfg, flag="--profile")
-  if args.validate:
-    pilot, fitted = planner.load_profile(args.validate, cfg=cfg, flag="--validate")
-    print(f"validating against {args.validate} ({pilot.cfg.rl.mode} mode)")
-    print(planner.format_validation(planner.validate(pilot, profile or fitted)))
-    return 0
-  result = planner.plan(cfg, devices=args.devices, profile=profile, memory_gib=args.memory_gb,
-                        staleness_values=_ints(args.sweep_staleness, "--sweep-staleness"),
-                        inflight_values=_ints(args.sweep_inflight, "--sweep-inflight", auto=True),
-                        max_discard_rate=args.max_discard, turns=turns,
-                        uniform_rate=args.filter_rate)
-  print(planner.format_plan(result))
-  if result.recommended is not None:
-    print("run it with: " + " ".join(planner.overrides(cfg, result.recommended)))
-  print(f"plot: {planner.plot_plan(result, os.path.join(args.out, 'plan.png'))}")
-
-
-def _from_run(workdir, cfg, window):
-  from rl_jax.planner import live
-  pilot = planner.profile.load_pilot(workdir, flag="--from-run", cfg=cfg)
-  print(live.format_from_run(pilot, steps=window))
-  return 0
+  return commands.run(cfg, p.parse_args(rest))
 
 
 def main(argv):

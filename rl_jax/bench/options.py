@@ -1,5 +1,6 @@
-"""Flags and problem sizes of the benchmark suite; imports no jax, so `launch/bench.py`
-can build its parser before any backend starts.
+"""Flags of launch/bench.py's subcommands (train, sampler, suite) and problem sizes of
+the benchmark suite; imports no jax, so `launch/bench.py` can build its parser before any
+backend starts.
 
 FULL sizes are the issue's accelerator shapes (decode at batch 64 and 256 with a 1k
 context, train and prefill at 1k tokens); SMALL sizes (`--small`) let a CPU run the
@@ -65,6 +66,54 @@ def _sections(text: str) -> tuple[str, ...]:
   if unknown:
     raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; sections: {SECTIONS}")
   return names
+
+
+def _list(text: str) -> tuple:
+  """"1,4,auto" -> (1, 4, "auto")."""
+  return tuple(x if x == "auto" else int(x) for x in text.split(","))
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--preset", default="tiny_char")
+  p.add_argument("--seq", type=int, default=256, help="tokens per row (prompt + completion)")
+  p.add_argument("--batch", type=int, default=16, help="rollouts per step")
+  p.add_argument("--steps", type=int, default=10, help="timed steps")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps (include compilation)")
+  p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
+  p.add_argument("--remat", action="store_true", help="recompute layer activations")
+  p.add_argument("--mesh", default="", help="trainer mesh data,fsdp,tensor (default: all data)")
+  p.add_argument("--micro-batch", type=int, default=0)
+  p.add_argument("--minibatches", type=int, default=1)
+  p.add_argument("--kl-beta", type=float, default=0.0)
+  p.add_argument("--peak-tflops", type=float, default=0.0,
+                 help="peak dense TFLOP/s per device for MFU (e.g. 790 for an H200 in bf16)")
+
+
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--preset", default="tiny_char")
+  p.add_argument("--requests", type=int, default=0,
+                 help="rollouts, all queued at once (0: 1024, with --peer 64)")
+  p.add_argument("--median", type=int, default=12, help="median completion length")
+  p.add_argument("--tail-frac", type=float, default=0.05, help="share of long completions")
+  p.add_argument("--tail-mult", type=int, default=16, help="long length / median")
+  p.add_argument("--batch", type=int, default=16, help="static batch size (sets the KV bytes)")
+  p.add_argument("--slots", type=_list, default=(64,),
+                 help="paged decode slots (a comma list with --peer)")
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--steps-per-call", type=_list, default=(1,),
+                 help="decode steps per generate call, or auto (a comma list with --peer)")
+  p.add_argument("--recompute-requests", type=int, default=64,
+                 help="run the quadratic recompute baseline on the first N requests (0: all)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--layers", default="auto", help="paged decode layer loop: auto | unrolled | scan")
+  p.add_argument("--peer", action="store_true",
+                 help="the peer workload (rl_jax/bench/peer.py) side by side with tunix if "
+                      "installed; uses --requests (default 64 here), --prompt-len, --max-new, "
+                      "--mixes, --repeats")
+  p.add_argument("--prompt-len", type=int, default=16)
+  p.add_argument("--max-new", type=int, default=128)
+  p.add_argument("--mixes", default="uniform,long_tail", help="uniform and/or long_tail")
+  p.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per variant")
 
 
 def add_suite_args(p: argparse.ArgumentParser) -> None:

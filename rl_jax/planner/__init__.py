@@ -12,6 +12,7 @@
   live       inside a run (rl.control): next window's admission bound and decode slots,
              the window-ahead check, restart advice; plan.py --from-run
   render     text tables and the PNG
+  commands   what launch/plan.py runs: the plan, --validate, --from-run
 
 Nothing here imports the model, sampler or trainer at import time.
 """
