@@ -9,7 +9,6 @@ with each route (rl_jax/bench/paged_kernel.py; notes/PERFORMANCE.md).
 The JSON is rewritten after every section, and a section that fails records its error
 and the run goes on, so a run cut short still leaves what it measured.
 """
-import argparse
 import json
 import os
 import sys
@@ -18,9 +17,11 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rl_jax import cli  # noqa: E402  (imports no jax)
 
-def main() -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def _main(argv) -> int:
+  ap = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                 "paged_kernel.json"))
   ap.add_argument("--preset", default="qwen2_0_5b")
@@ -31,7 +32,7 @@ def main() -> int:
   ap.add_argument("--calls", type=int, default=8)
   ap.add_argument("--repeats", type=int, default=20)
   ap.add_argument("--sections", default="correctness,attention,decode")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
 
   import jax
   from rl_jax import model
@@ -63,6 +64,10 @@ def main() -> int:
       json.dump(res, f, indent=1)
     print(name, json.dumps(res[name])[:3000], flush=True)
   return 0
+
+
+def main(argv=None):
+  return cli.run(_main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

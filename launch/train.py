@@ -1,14 +1,15 @@
 """Train a policy with synchronous or asynchronous GRPO.
 
   python launch/train.py --config configs/default.py [--workdir runs/x] [--config.rl.mode=sync]
-      [--overwrite] [--debug]
+      [--overwrite] [--debug] [--dry-run]
 
 With --config.checkpoint.every=N the run checkpoints to <workdir>/checkpoints, and the same
 command with the same --workdir resumes from the newest checkpoint. A workdir belongs to
 one run (rl_jax/workdir.py): a second run on it is refused while the first holds its lock,
 and a workdir holding another run's files is refused unless --overwrite deletes them.
 Exit status (rl_jax/cli.py): 0 done; 1 with one `error:` line (--debug adds the
-traceback); 143 after SIGTERM (preempted: rerun the same command to resume).
+traceback); 143 after SIGTERM (preempted: rerun the same command to resume). --dry-run
+checks the flags and the config and exits (rl_jax/cli.py).
 """
 import os
 import sys
@@ -24,12 +25,12 @@ def _main(argv):
   if cli.print_help(argv, __doc__):
     return 0
   cfg, rest = config_lib.parse_args(argv)
+  config_lib.check_before_jax(cfg)  # before the flag parse, where a --dry-run stops
   parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--workdir", default="runs/default")
   parser.add_argument("--overwrite", action="store_true",
                       help="delete the run files already in --workdir and start over")
   args = parser.parse_args(rest)
-  config_lib.check_before_jax(cfg)
   lock = workdir_lib.claim(args.workdir, cfg, overwrite=args.overwrite)
   from rl_jax.orchestration import runtime
   runtime.prepare_host_devices(cfg)  # before jax initialises: CPU runs get fake devices

@@ -18,7 +18,16 @@ Exit statuses (documented in the README):
                     command to resume. Kubernetes (podFailurePolicy / restartPolicy) and
                     SLURM (--requeue) retry a non-zero exit; 0 would read as success.
 
-`--debug` anywhere on the command line prints the traceback before the line. Imports no jax.
+`--debug` anywhere on the command line prints the traceback before the line.
+
+`--dry-run` anywhere on the command line checks the command and exits 0 without doing
+any work: the script's main runs up to the end of its outermost flag parse (an
+ArgumentParser below), where DryRun stops it. A script that reads --config before its
+flags (train.py, serve.py, plan.py) has by then loaded the config with its overrides and
+run config.check_before_jax; none has claimed a workdir, read a run or started JAX. What
+a parse_known_args leaves is passed on as config overrides (compare.py to train.py,
+evaluate.py to its config), so a dry run accepts only --config.FIELD[=VALUE] there.
+tests/test_docs.py dry-runs every launch command of the docs this way. Imports no jax.
 """
 from __future__ import annotations
 
@@ -34,6 +43,17 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_PREEMPTED = 143
 DEBUG_FLAG = "--debug"
+DRY_RUN_FLAG = "--dry-run"
+
+_dry_run = False  # set by run() while it calls a script's main with --dry-run
+_parse_depth = 0  # ArgumentParser parses in progress (a subcommand's parse is nested)
+
+
+class DryRun(SystemExit):
+  """Raised when a --dry-run's command line has parsed: exit status 0, nothing ran."""
+
+  def __init__(self):
+    super().__init__(0)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -42,6 +62,39 @@ class ArgumentParser(argparse.ArgumentParser):
   def error(self, message):
     print(f"error: {one_line(message)} (see --help)", file=sys.stderr, flush=True)
     sys.exit(EXIT_USAGE)
+
+  def parse_args(self, args=None, namespace=None):
+    return self._parse(super().parse_args, args, namespace)
+
+  def parse_known_args(self, args=None, namespace=None):
+    return self._parse(super().parse_known_args, args, namespace)
+
+  def _parse(self, parse, args, namespace):
+    """`parse(args, namespace)`; under --dry-run the outermost parse ends in DryRun."""
+    global _parse_depth
+    _parse_depth += 1
+    try:
+      result = parse(args, namespace)
+    finally:
+      _parse_depth -= 1
+    if _dry_run and _parse_depth == 0:
+      bad = _not_an_override(result[1] if isinstance(result, tuple) else [])
+      if bad is not None:
+        self.error(f"unrecognized argument {bad!r} (what the flags leave must be "
+                   "--config.FIELD=VALUE overrides)")
+      raise DryRun()
+    return result
+
+
+def _not_an_override(args: Sequence[str]) -> str | None:
+  """The first of `args` that is not part of a `--config.FIELD=VALUE` or
+  `--config.FIELD VALUE` override; None when they all are."""
+  i = 0
+  while i < len(args):
+    if not args[i].startswith("--config.") or ("=" not in args[i] and i + 1 == len(args)):
+      return args[i]
+    i += 1 if "=" in args[i] else 2
+  return None
 
 
 def print_help(argv: Sequence[str], doc: str) -> bool:
@@ -75,15 +128,21 @@ def describe(e: BaseException) -> str:
 
 def run(fn: Callable[[list[str]], int | None], argv: Sequence[str],
         stderr=None) -> int:
-  """Calls fn(argv without --debug); returns its exit status (None means 0), or prints
-  one `error:` line for an exception and returns EXIT_ERROR (EXIT_INTERRUPTED for Ctrl-C).
-  SystemExit passes through as its status, a message becomes one line on stderr."""
+  """Calls fn(argv without --debug and --dry-run); returns its exit status (None means 0),
+  or prints one `error:` line for an exception and returns EXIT_ERROR (EXIT_INTERRUPTED
+  for Ctrl-C). SystemExit passes through as its status, a message becomes one line on
+  stderr. With --dry-run, fn stops at its flag parse (module docstring) and run returns 0."""
+  global _dry_run
   stderr = stderr or sys.stderr
   argv = list(argv)
   debug = DEBUG_FLAG in argv
-  argv = [a for a in argv if a != DEBUG_FLAG]
+  _dry_run = DRY_RUN_FLAG in argv
+  argv = [a for a in argv if a not in (DEBUG_FLAG, DRY_RUN_FLAG)]
   try:
     status = fn(argv)
+  except DryRun:
+    print("dry run: the command line is valid; nothing ran", flush=True)
+    return 0
   except SystemExit as e:
     if e.code is None or isinstance(e.code, int):
       return e.code or 0
@@ -97,4 +156,6 @@ def run(fn: Callable[[list[str]], int | None], argv: Sequence[str],
       traceback.print_exc(file=stderr)
     print(f"error: {describe(e)}", file=stderr, flush=True)
     return EXIT_ERROR
+  finally:
+    _dry_run = False
   return int(status or 0)

@@ -215,3 +215,41 @@ def test_train_refuses_a_workdir_of_another_run_and_a_locked_one(train, files, c
     assert f"in use by another run (pid {os.getpid()}" in _stderr_line(capsys)
   finally:
     lock.release()
+
+
+def test_dry_run_checks_flags_and_config_and_stops_before_the_workdir(train, files, capsys):
+  run = files / "dry"
+  assert train.main(["--config", DEFAULT, "--workdir", str(run), "--dry-run"]) == 0
+  assert "dry run" in capsys.readouterr().out and not run.exists()
+  assert train.main(["--config", DEFAULT, "--config.task.digits=0", "--dry-run"]) == cli.EXIT_ERROR
+  assert "task.digits" in _stderr_line(capsys)
+  assert train.main(["--config", DEFAULT, "--wokdir", str(run), "--dry-run"]) == cli.EXIT_USAGE
+  assert "--wokdir" in _stderr_line(capsys) and not run.exists()
+
+
+def test_dry_run_passes_on_only_config_overrides(files, capsys):
+  """compare.py passes what its flags leave on to train.py."""
+  compare = _script("compare")
+  args = ["--dry-run", "--config", DEFAULT, "--workdir", str(files / "compare"),
+          "--config.seed=3", "--config.rl.mode", "sync"]
+  assert compare.main(args) == 0
+  assert compare.main(args + ["--sedes", "2"]) == cli.EXIT_USAGE
+  assert "'--sedes'" in _stderr_line(capsys)
+  assert compare.main(args + ["--config.seed"]) == cli.EXIT_USAGE
+  assert not (files / "compare").exists()
+
+
+def test_dry_run_stops_at_the_outermost_parse_only(capsys):
+  parsed = []
+
+  def main(argv):
+    p = cli.ArgumentParser()
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("go").add_argument("--n", type=int)
+    parsed.append(p.parse_args(argv))
+    return 5
+
+  assert cli.run(main, ["go", "--n", "2", "--dry-run"]) == 0 and not parsed
+  assert cli.run(main, ["go", "--n", "x", "--dry-run"]) == cli.EXIT_USAGE
+  assert "invalid int value" in _stderr_line(capsys)
+  assert cli.run(main, ["go", "--n", "2"]) == 5 and parsed[0].n == 2  # no dry run left over
