@@ -12,10 +12,27 @@ LORA_ALPHA = 32.0
 
 
 def get_config(arg=None):
+  """The default of every field, one section per helper below."""
   del arg
   c = ml_collections.ConfigDict()
   c.seed = 0
+  _model(c)
+  _mesh(c)
+  _sampler(c)
+  _trainer(c)
+  _rl(c)
+  _warmstart(c)
+  _task(c)
+  _verifier(c)
+  _env(c)
+  _data(c)
+  _checkpoint(c)
+  _metrics(c)
+  return c
 
+
+def _model(c) -> None:
+  """c.model: preset and checkpoint, dtypes, remat, attention kernel, LoRA."""
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny_char"  # see rl_jax/model/presets.py
   c.model.path = ""  # Hugging Face checkpoint directory; overrides the preset's weights
@@ -43,6 +60,9 @@ def get_config(arg=None):
   c.model.lora.targets = "q,k,v,o,gate,up,down"
   c.model.lora.dropout = 0.0  # dropout on the low-rank path's input, training only
 
+
+def _mesh(c) -> None:
+  """c.mesh: colocated, or the sampler and trainer sub-meshes."""
   c.mesh = ml_collections.ConfigDict()
   # colocated: sampler and trainer share every device (one GPU, a laptop).
   c.mesh.colocated = False
@@ -50,6 +70,9 @@ def get_config(arg=None):
   c.mesh.sampler = ml_collections.ConfigDict(dict(data=4, tensor=1))
   c.mesh.trainer = ml_collections.ConfigDict(dict(data=1, fsdp=2, tensor=2))
 
+
+def _sampler(c) -> None:
+  """c.sampler: decode slots, KV pages, sampling, decode programs."""
   c.sampler = ml_collections.ConfigDict()
   c.sampler.max_concurrent_decodes = 64  # decode slots
   c.sampler.page_size = 16  # tokens per KV page
@@ -72,6 +95,9 @@ def get_config(arg=None):
   # background in single-process async runs, else inline (sampler/programs.py).
   c.sampler.compile = "auto"
 
+
+def _trainer(c) -> None:
+  """c.trainer: optimizer, micro-batches, lm-head chunks, length buckets, GRPO loss."""
   c.trainer = ml_collections.ConfigDict()
   c.trainer.learning_rate = 1e-4
   c.trainer.schedule = "constant"  # constant | cosine
@@ -101,6 +127,9 @@ def get_config(arg=None):
   c.trainer.kl_estimator = "k3"  # k1 | k3
   c.trainer.loss_norm_len = 0  # Dr. GRPO's constant length; 0: sampler.max_new_tokens
 
+
+def _rl(c) -> None:
+  """c.rl: mode, batch shape, staleness and admission, filtering, live control."""
   c.rl = ml_collections.ConfigDict()
   c.rl.mode = "async"  # sync | async
   c.rl.total_steps = 100  # optimizer steps
@@ -132,11 +161,17 @@ def get_config(arg=None):
   c.rl.control = "off"
   c.rl.control_every = 20  # optimizer steps per control window
 
+
+def _warmstart(c) -> None:
+  """c.warmstart: supervised steps before RL."""
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on generated demonstrations before RL
   c.warmstart.batch_size = 64
   c.warmstart.learning_rate = 1e-3
 
+
+def _task(c) -> None:
+  """c.task: which task, its data files and sizes."""
   c.task = ml_collections.ConfigDict()
   c.task.name = "arithmetic"  # arithmetic | calculator | carries | countdown | gsm8k | jsonl
   c.task.path = ""  # data file for gsm8k / jsonl: .jsonl, .json (lines) or .parquet
@@ -152,6 +187,9 @@ def get_config(arg=None):
   c.task.heldout_size = 256
   c.task.heldout_fraction = 0.1  # hash-based share of prompts kept for held-out
 
+
+def _verifier(c) -> None:
+  """c.verifier: the reward worker pool and its simulated latency and failures."""
   c.verifier = ml_collections.ConfigDict()
   c.verifier.backend = "threads"  # threads | processes
   c.verifier.workers = 8
@@ -167,6 +205,9 @@ def get_config(arg=None):
   c.verifier.latency_file = ""  # empirical: one latency in seconds per line
   c.verifier.failure_prob = 0.0
 
+
+def _env(c) -> None:
+  """c.env: episodes of tool-using tasks and their tool pool."""
   # Tool-using tasks (those with an environment, e.g. calculator): a rollout is an episode
   # of model turns and environment observations (rl_jax/envs).
   c.env = ml_collections.ConfigDict()
@@ -186,6 +227,9 @@ def get_config(arg=None):
   c.env.tool.latency_file = ""  # empirical: one latency in seconds per line
   c.env.tool.failure_prob = 0.0
 
+
+def _data(c) -> None:
+  """c.data: the prompt pipeline."""
   c.data = ml_collections.ConfigDict()
   c.data.shuffle = True
   c.data.num_epochs = 0  # 0: repeat forever
@@ -197,6 +241,9 @@ def get_config(arg=None):
   c.data.chat = False
   c.data.system_prompt = ""
 
+
+def _checkpoint(c) -> None:
+  """c.checkpoint: cadence, retention, preemption grace period."""
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 0  # optimizer steps; 0: off
   c.checkpoint.keep = 3
@@ -206,11 +253,14 @@ def get_config(arg=None):
   # exits without a new checkpoint when the save cannot finish in time.
   c.checkpoint.grace_period_s = 30.0
 
+
+def _metrics(c) -> None:
+  """c.metrics: logging cadence and writers."""
   c.metrics = ml_collections.ConfigDict()
   c.metrics.log_every = 1
   c.metrics.tensorboard = True
   c.metrics.console = True
-  return c
+
 
 
 def lora_learning_rate(full_ft_lr: float, *, rank: int, hidden_size: int,

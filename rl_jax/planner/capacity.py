@@ -150,24 +150,12 @@ def turn_model(cfg, *, turns_per_episode, kind: str = "geometric",
     raise PlanError(f"--turns-per-episode: {e}") from None
 
 
-def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_cfg, params: int,
-             device: DeviceSpec, num_steps: int, max_staleness: int | None = None,
-             max_inflight_groups: int | None = None, length_scale: float = 1.0,
-             verifier_scale: float = 1.0, turns: TurnModel | None = None,
-             uniform_rate: float | None = None) -> Scenario:
-  """The simulation input for `cfg` on `layout`; see the module docstring for priors.
-  uniform_rate: share of groups whose rewards are all equal (None: the profile's, else 0);
-  filtered when rl.filter_groups="zero_variance"."""
-  rl, s = cfg.rl, cfg.sampler
-  t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
-  staleness = rl.max_staleness if max_staleness is None else max_staleness
-  inflight = admission_bound(
-      max_staleness=staleness, groups_per_step=rl.groups_per_step,
-      max_inflight_groups=rl.max_inflight_groups if max_inflight_groups is None
-      else max_inflight_groups)
-  kv_tok = memory_lib.kv_bytes_per_token(num_layers=model_cfg.num_layers,
-                                         num_kv_heads=model_cfg.num_kv_heads,
-                                         head_dim=model_cfg.head_dim, dtype=s.dtype)
+def _models(cfg, *, profile: profile_lib.Profile | None, model_cfg, params: int,
+            device: DeviceSpec, t_s: int, kv_tok: int):
+  """(prompt tokens, LengthModel, VerifierModel, sampler model, trainer model, weight-sync
+  seconds) of `cfg` with sampler replicas of tensor size `t_s`: the profile's fits, decode
+  time scaled by profile tensor / t_s, or without a profile the priors (module docstring)."""
+  s = cfg.sampler
   weight_bytes = params * memory_lib.DTYPE_BYTES[s.dtype]
   adapter_params, target_params = memory_lib.lora_sizes(model_cfg)
   if profile is not None:
@@ -208,6 +196,30 @@ def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_
                            timeout_s=float(cfg.verifier.timeout_s),
                            failure_prob=float(cfg.verifier.failure_prob),
                            retries=int(cfg.verifier.retries))
+  return prompt, lengths, verifier, sampler, trainer, sync_s
+
+
+def scenario(cfg, *, layout: Layout, profile: profile_lib.Profile | None, model_cfg, params: int,
+             device: DeviceSpec, num_steps: int, max_staleness: int | None = None,
+             max_inflight_groups: int | None = None, length_scale: float = 1.0,
+             verifier_scale: float = 1.0, turns: TurnModel | None = None,
+             uniform_rate: float | None = None) -> Scenario:
+  """The simulation input for `cfg` on `layout`; see the module docstring for priors.
+  uniform_rate: share of groups whose rewards are all equal (None: the profile's, else 0);
+  filtered when rl.filter_groups="zero_variance"."""
+  rl, s = cfg.rl, cfg.sampler
+  t_s, t_t = _tensor(cfg.mesh.sampler), _tensor(cfg.mesh.trainer)
+  staleness = rl.max_staleness if max_staleness is None else max_staleness
+  inflight = admission_bound(
+      max_staleness=staleness, groups_per_step=rl.groups_per_step,
+      max_inflight_groups=rl.max_inflight_groups if max_inflight_groups is None
+      else max_inflight_groups)
+  kv_tok = memory_lib.kv_bytes_per_token(num_layers=model_cfg.num_layers,
+                                         num_kv_heads=model_cfg.num_kv_heads,
+                                         head_dim=model_cfg.head_dim, dtype=s.dtype)
+  prompt, lengths, verifier, sampler, trainer, sync_s = _models(
+      cfg, profile=profile, model_cfg=model_cfg, params=params, device=device, t_s=t_s,
+      kv_tok=kv_tok)
   replicas = layout.sampler_devices // t_s
   slots = s.max_concurrent_decodes // int(cfg.mesh.sampler.get("data", 1))
   kv_tokens = memory_lib.kv_pool_bytes(sampler_cfg=s, kv_per_token=kv_tok)
