@@ -40,7 +40,6 @@ background, or only the covering programs ahead): programs.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -61,7 +60,7 @@ from rl_jax.sampler.prefill import Prefix
 from rl_jax.sampler import updates
 from rl_jax.sampler.decode import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP,  # noqa: F401
                                    DecodeState, StepOutput)  # (re-exported)
-from rl_jax.sampler.sampling import sample_tokens  # noqa: F401  (re-exported)
+from rl_jax.sampler.sampling import Sampling, sample_tokens  # noqa: F401  (re-exported)
 
 _LAYER_POOL_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
 _PREFIX_AXES = ("layers", "kv_heads", "length", "head_dim")
@@ -81,26 +80,6 @@ def resolve_steps_per_call(value: int | str, backend: str | None = None) -> int:
     return int(value)
   cpu = (backend or jax.default_backend()) == "cpu"
   return CPU_STEPS_PER_CALL if cpu else ACCELERATOR_STEPS_PER_CALL
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off.
-  Truncation keeps at most sampling.TRUNCATION_CAP (256) candidates: a larger top_k acts
-  as the cap, and a nucleus wider than the cap is cut there (sampling.py)."""
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-
-  @classmethod
-  def greedy(cls) -> Sampling:
-    return cls(temperature=0.0)
-
-  def __post_init__(self):
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def _buckets(largest: int) -> tuple[int, ...]:

@@ -22,8 +22,12 @@ With truncation (top-k, top-p; the program variant `truncate`, chosen by the hos
   truncate sample among their kept candidates, with the same per-entry noise; the
   log-prob is under the truncated distribution. A nucleus wider than c tokens is cut at
   c (the log-prob is still that of the distribution actually sampled from).
+
+A request's settings are a `Sampling` (re-exported by engine.py).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import jax
@@ -33,6 +37,26 @@ from jax import lax
 TRUNCATION_CAP = 256
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Per-request sampling: temperature <= 0 means greedy; top_k 0 and top_p 1 are off.
+  Truncation keeps at most TRUNCATION_CAP (256) candidates: a larger top_k acts as the
+  cap, and a nucleus wider than the cap is cut there (sample_tokens)."""
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  @classmethod
+  def greedy(cls) -> Sampling:
+    return cls(temperature=0.0)
+
+  def __post_init__(self):
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 is off), got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def threefry2x32(k0, k1, x0, x1, xp=jnp):
