@@ -133,14 +133,26 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
   monkeypatch.setattr(control, "stalled", lambda rows: 0.0)
   cfg = make_cfg("--config.rl.mode=async", "--config.rl.max_staleness=1",
                  "--config.rl.inflight_weight_updates=true", "--config.rl.control=admission",
-                 "--config.rl.control_every=3",
+                 "--config.rl.control_every=3", "--config.rl.queue_order=oldest_version",
                  # A sampler split over 4 devices decodes slowly enough on CPU that some
                  # completions span a publication (checked below); on one device the
                  # sampler finishes its admitted groups before the trainer publishes.
                  "--config.mesh.sampler.data=4")
-  kv_bytes, calls, pools = [], [], []
+  kv_bytes, calls, pools, taken = [], [], [], []
 
   def awaited(pipe):
+    # rl.queue_order=oldest_version: every group the trainer takes is the first of the
+    # oldest policy version queued at that moment (check_common: accounting still holds).
+    get = pipe.queue.get
+
+    def oldest_first(timeout=None):
+      with pipe.queue._cv:  # reentrant: get's wait releases it; no put in between
+        group = get(timeout)
+        queued = pipe.queue.groups()
+      if group is not None:
+        taken.append(group.min_version == min(g.min_version for g in [group, *queued]))
+      return group
+    pipe.queue.get = oldest_first
     # The loop's executor is a process of its own (control.make_executor; it decides as
     # this process does: tests/test_control.py). Here each window's computation runs at
     # submit, in this process (where `stalled` is patched): applied at its window's end
@@ -158,6 +170,7 @@ def test_async_bounded_staleness_and_inflight_updates(tmp_path, monkeypatch):
       cfg, tmp_path, on_evaluate=lambda p: kv_bytes.append(kv_bytes_per_device(p)),
       before_run=awaited)
   check_common(pipe, summary, rollouts, tmp_path, max_staleness=1)
+  assert len(taken) >= cfg.rl.total_steps * cfg.rl.groups_per_step and all(taken)
   # Issue 29: the held-out evaluator borrows the sampler's pool (no second pool), so the
   # sampler devices hold at most sampler.kv_cache_bytes of KV while it evaluates.
   assert len(kv_bytes) == 3 and 0 < max(kv_bytes) <= cfg.sampler.kv_cache_bytes, kv_bytes
