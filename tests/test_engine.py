@@ -180,7 +180,7 @@ def test_threefry_keys_match_jax():
         jax.random.key_data(jax.random.fold_in(want, 5)))
 
 
-def test_step_programs_have_no_loop_sort_or_conditional(params):
+def test_step_programs_have_no_loop_sort_or_conditional(params, default_emitters):
   """One decode step per call compiles to straight-line HLO (a cost analysis counts all
   of it); the truncating variant only once a request truncates."""
   eng = make_engine(steps_per_call=1)
@@ -188,7 +188,7 @@ def test_step_programs_have_no_loop_sort_or_conditional(params):
   s_shapes = jax.eval_shape(eng.init_decode_state)
   for truncate in (False, True):
     hlo = eng.generate_program(4, eng.pages_per_seq, truncate=truncate).lower(
-        p_shapes, s_shapes).compile().as_text()
+        p_shapes, s_shapes).compile(compiler_options=default_emitters).as_text()
     assert " while(" not in hlo and " conditional(" not in hlo
     assert (" sort(" in hlo or "topk" in hlo.lower()) == truncate
   state = eng.init_decode_state()
@@ -468,7 +468,7 @@ def test_prefill_into_pages_equals_one_prefill_per_prompt(engine, params):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)  # batch shape changes rounding
 
 
-def test_bf16_pool_is_written_in_place_on_cpu(params, monkeypatch):
+def test_bf16_pool_is_written_in_place_on_cpu(params, monkeypatch, default_emitters):
   """Issue 29: XLA's CPU backend upcast the whole pool of every bf16 KV scatter to f32
   and back, so a generate call's temporaries (and time) grew with the pool. Stored as
   uint16 bits on CPU, the fused generate program needs far less than one pool of
@@ -483,7 +483,8 @@ def test_bf16_pool_is_written_in_place_on_cpu(params, monkeypatch):
     layout = eng.fused_layout._replace(lane=eng.prefill_lane)
     upd = updates.Pending(eng.max_concurrent_decodes, eng.prefill_lane).pack(layout)
     program = eng.generate_program(eng.max_concurrent_decodes, eng.pages_per_seq, fused=2)
-    temp = program.lower(p, state, upd).compile().memory_analysis().temp_size_in_bytes
+    temp = program.lower(p, state, upd).compile(
+        compiler_options=default_emitters).memory_analysis().temp_size_in_bytes
     alloc = pt.PageAllocator(num_pages=eng.num_pages, page_size=PAGE)
     for slot, prompt in enumerate(PROMPTS):
       state, _ = start(eng, p, state, alloc, slot, prompt)

@@ -351,7 +351,8 @@ _SAVED_PROBS = 8 * 32 * 100 * 4
 
 @pytest.mark.parametrize("chunk, save_bytes, whole_logits", [
     (8, _SAVED_PROBS - 1, False), (8, _SAVED_PROBS, True), (0, 0, True)])
-def test_head_memory_follows_logprob_save_bytes(chunk, save_bytes, whole_logits):
+def test_head_memory_follows_logprob_save_bytes(chunk, save_bytes, whole_logits,
+                                                default_emitters):
   """The compiled step's largest vocabulary-sized buffer: one chunk's [rows, 8, v] with
   logprob_chunk_len=8 when the saved softmax would exceed trainer.logprob_save_bytes
   (the backward recomputes); the whole [rows, t, v] when it fits (kept for the
@@ -365,7 +366,8 @@ def test_head_memory_follows_logprob_save_bytes(chunk, save_bytes, whole_logits)
   state = jax.eval_shape(trainer.init_state, rng=jax.random.key(0))
   b, t = 8, 32
   hlo = trainer._step.lower(state, trainer.batch_spec(b, t), (),
-                            jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+                            jax.ShapeDtypeStruct((), jnp.int32)).compile(
+                                compiler_options=default_emitters).as_text()
   vocab_sized = [np.prod([int(d) for d in dims.split(",")])
                  for dims in re.findall(r"(?:f32|bf16)\[([\d,]+)\]", hlo)
                  if "100" in dims.split(",")]
