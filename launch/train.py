@@ -26,6 +26,8 @@ def _main(argv):
     return 0
   cfg, rest = config_lib.parse_args(argv)
   config_lib.check_before_jax(cfg)  # before the flag parse, where a --dry-run stops
+  if cli.dry_running():  # every check that needs no devices (choices, domains) too
+    config_lib.validate(cfg, num_devices=sys.maxsize)
   parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--workdir", default="runs/default")
   parser.add_argument("--overwrite", action="store_true",

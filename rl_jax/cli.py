@@ -49,6 +49,11 @@ _dry_run = False  # set by run() while it calls a script's main with --dry-run
 _parse_depth = 0  # ArgumentParser parses in progress (a subcommand's parse is nested)
 
 
+def dry_running() -> bool:
+  """Whether the script runs under --dry-run (it may check more before its flag parse)."""
+  return _dry_run
+
+
 class DryRun(SystemExit):
   """Raised when a --dry-run's command line has parsed: exit status 0, nothing ran."""
 

@@ -223,6 +223,9 @@ def test_dry_run_checks_flags_and_config_and_stops_before_the_workdir(train, fil
   assert "dry run" in capsys.readouterr().out and not run.exists()
   assert train.main(["--config", DEFAULT, "--config.task.digits=0", "--dry-run"]) == cli.EXIT_ERROR
   assert "task.digits" in _stderr_line(capsys)
+  # the checks that need no devices run too: a bad choice is one line
+  assert train.main(["--config", DEFAULT, "--config.rl.queue_order=newest", "--dry-run"]) == cli.EXIT_ERROR
+  assert "'rl.queue_order' must be one of 'fifo', 'oldest_version'" in _stderr_line(capsys)
   assert train.main(["--config", DEFAULT, "--wokdir", str(run), "--dry-run"]) == cli.EXIT_USAGE
   assert "--wokdir" in _stderr_line(capsys) and not run.exists()
 
