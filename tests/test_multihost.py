@@ -123,9 +123,12 @@ SPLIT = dict(**{"mesh.colocated": False, "mesh.sampler.data": 4, "mesh.trainer.d
 
 
 def _run_single(flags, tmp_path, name):
+  # The session's compile flags, as the two processes have them: the reference compiles
+  # as cheaply and with the same XLA options as the run it is compared with.
   p = subprocess.run(
       [sys.executable, TRAIN, *flags, "--workdir", str(tmp_path / name)], cwd=ROOT,
-      timeout=300, env=_env(RL_JAX_DIGEST=str(tmp_path / f"{name}_digest")),
+      timeout=300, env=_env(RL_JAX_DIGEST=str(tmp_path / f"{name}_digest"),
+                            XLA_FLAGS=_xla_flags(8)),
       capture_output=True, text=True)
   assert p.returncode == 0, p.stderr[-3000:]
   return _digest(tmp_path / f"{name}_digest.0"), json.load(open(tmp_path / name / "summary.json"))
