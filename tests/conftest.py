@@ -63,6 +63,19 @@ def default_emitters():
   return {_LEGACY_EMITTERS[2:].split("=")[0]: True} if _LEGACY_EMITTERS in os.environ[
       "XLA_FLAGS"] else {}
 
+
+@pytest.fixture
+def aot_default_emitters(monkeypatch, default_emitters):
+  """Every ahead-of-time compile (jax.stages.Lowered.compile) in the test uses the default
+  emitters, for tests of code that reads the cost or memory analysis of the programs it
+  compiles (rl_jax.bench); jitted calls keep this session's flags."""
+  if default_emitters:
+    compile_ = jax.stages.Lowered.compile
+
+    def compile(self, compiler_options=None, **kw):
+      return compile_(self, {**default_emitters, **(compiler_options or {})}, **kw)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+
 # --- memory watchdog -----------------------------------------------------------------
 # CI machines have 24 GiB and no swap; a runaway test would be SIGKILLed by the kernel with
 # no word of which test it was. The watchdog reports the test and every thread's stack

@@ -101,7 +101,7 @@ def test_e2e_config_is_valid():
   assert len(cfg.trainer.length_buckets) == 1
 
 
-def test_aot_decode_memory_without_allocation():
+def test_aot_decode_memory_without_allocation(aot_default_emitters):
   sizes = options.SMALL
   out = aot.decode_program(model.get_preset("tiny_char"), measure.one_device_mesh(),
                            batch=4, sizes=sizes, dtype="float32", device_bytes=2 ** 30)
@@ -215,7 +215,7 @@ def test_reference_train_step_is_the_policy_gradient_with_a_chunked_head(monkeyp
     np.testing.assert_allclose(mm, 0.1 * np.asarray(a), rtol=1e-4, atol=1e-7)  # Adam's m
 
 
-def test_cost_control_flow_and_bytes_of_trivial_programs():
+def test_cost_control_flow_and_bytes_of_trivial_programs(aot_default_emitters):
   """The HLO reading on programs whose cost is known by hand: y = x + 1 over 1024 f32
   reads 4 KiB and writes 4 KiB; a fori_loop of 7 trips is found with its trip count and
   carried state (s32 counter + the f32[1024]), and its body counted once."""
@@ -235,7 +235,7 @@ def test_cost_control_flow_and_bytes_of_trivial_programs():
   assert 1024 <= looped["flops"] < 2 * 1024  # the body's 1024 multiplies once, not 7 times
 
 
-def test_cost_section_small_against_independent_counts():
+def test_cost_section_small_against_independent_counts(aot_default_emitters):
   """The cost rows at tiny shapes: the floor is the weight count of an independently
   built parameter tree plus B x ctx x (2 L KVH HD 4) bytes, recomputed in NumPy; every
   ratio is the quotient of the rows' own bytes; the reference steps read at least the
