@@ -55,7 +55,7 @@ class RolloutQueue:
       group.enqueued = time.time()
       self.inflight -= 1
       self._q.append(group)
-      self._versions.append(group.min_version if self.policy.orders_by_version else 0)
+      self._versions.append(self._version(group))
       self.enqueued_total += 1
       if len(self._q) > self.policy.queue_maxsize:
         raise RuntimeError(f"rollout queue exceeded its bound {self.policy.queue_maxsize}: "
@@ -78,13 +78,13 @@ class RolloutQueue:
       self.dequeued_total += 1
       self.held += 1
       i = self.policy.next_index(self._versions)
-      self._versions.rotate(-i)
-      self._q.rotate(-i)
-      self._versions.popleft()
-      group = self._q.popleft()
-      self._versions.rotate(i)
-      self._q.rotate(i)
+      group = self._q[i]
+      del self._q[i], self._versions[i]
       return group
+
+  def _version(self, group: Group) -> int:
+    """What next_index orders by: the group's oldest version (0, unread, under fifo)."""
+    return group.min_version if self.policy.orders_by_version else 0
 
   def release(self, n: int = 1) -> None:
     """Groups the trainer has finished with (credit returned by the policy, or discarded)."""
@@ -104,8 +104,7 @@ class RolloutQueue:
     in order, no longer held."""
     with self._cv:
       self._q.extendleft(reversed(groups))
-      self._versions.extendleft(reversed([g.min_version if self.policy.orders_by_version
-                                          else 0 for g in groups]))
+      self._versions.extendleft(reversed([self._version(g) for g in groups]))
       self.held -= len(groups)
       self.dequeued_total -= len(groups)
       self._cv.notify_all()

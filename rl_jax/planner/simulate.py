@@ -459,9 +459,8 @@ class _Sim(Report):
     i = 0
     if self.policy.orders_by_version:
       i = self.policy.next_index([self.groups[g].min_version for g in self.queue])
-    self.queue.rotate(-i)
-    gid = self.queue.popleft()
-    self.queue.rotate(i)
+    gid = self.queue[i]
+    del self.queue[i]
     group = self.groups.pop(gid)
     staleness = self.version - int(group.min_version)
     if not self.policy.accepts(staleness):
