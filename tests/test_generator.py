@@ -490,3 +490,65 @@ def test_slot_limit_caps_the_slots_in_use_and_keeps_the_samples(engine, params):
   assert limited.keys() == full.keys()
   for key, toks in full.items():
     np.testing.assert_array_equal(limited[key], toks, err_msg=str(key))
+
+
+@pytest.mark.parametrize("which", ["unrolled", "scan"])
+def test_samples_restored_mid_decode_continue_their_prng_streams(which, engine, scan_engine,
+                                                                  params):
+  """A generator's snapshot in mid-decode (checkpoint.rollouts=all), handed to a fresh
+  generator with other weights' version: every sample ends with the tokens of an
+  uninterrupted run (same weights and PRNG keys by position), the tokens before the cut
+  keep their log-probs and version, the ones after carry the new version and match the
+  recompute, and every sample is emitted exactly once across the two generators."""
+  eng = {"unrolled": engine, "scan": scan_engine}[which]
+  groups = {10: PROMPTS[4], 11: PROMPTS[3]}
+  reference = G.Generator(eng, params, sampling=SAMPLING)
+  for gid, p in groups.items():
+    reference.add_group(gid, p, 3, seed=gid, stop_on_eos=False)
+  want = {(r.group_id, r.sample_index): r for r in run(reference)}
+
+  first = G.Generator(eng, params, sampling=SAMPLING)
+  for gid, p in groups.items():
+    first.add_group(gid, p, 3, seed=gid, stop_on_eos=False)
+  before = []
+  while first.tokens_generated < 5 * eng.steps_per_call:
+    before += first.step()
+  partial, finished = first.snapshot()
+  before += finished
+  assert first._inflight is None  # the call on the device was read
+  assert any(partial.values()), "the cut should fall in mid-decode"
+  second = G.Generator(eng, params, sampling=SAMPLING, version=5)
+  done = {(r.group_id, r.sample_index) for r in before}
+  for gid, p in groups.items():
+    todo = [i for i in range(3) if (gid, i) not in done]
+    if todo:
+      second.add_group(gid, p, 3, seed=gid, stop_on_eos=False, samples=todo,
+                       restored=partial[gid])
+  after = run(second, check=check_pages)
+  assert second.allocator.num_used == 0
+  got = {(r.group_id, r.sample_index): r for r in before + after}
+  assert len(before) + len(after) == len(got) == len(want) == 6
+  cut = {(g, i): len(t) for g, seqs in partial.items() for i, (t, _, _) in seqs.items()}
+  for key, r in got.items():
+    np.testing.assert_array_equal(r.completion_tokens, want[key].completion_tokens)
+    n = cut.get(key, 0 if key not in done else r.num_tokens)
+    versions = [0] * n + [5] * (r.num_tokens - n)
+    assert r.token_versions.tolist() == versions, key
+    np.testing.assert_array_equal(r.behavior_logprobs[:n], partial[key[0]][key[1]][1][:n]
+                                  if key in cut else want[key].behavior_logprobs[:n])
+    # The continuation's log-probs were computed over the re-prefilled cache.
+    np.testing.assert_allclose(r.behavior_logprobs, want[key].behavior_logprobs, atol=1e-4)
+  assert any(0 < n < MAX_NEW for n in cut.values())
+
+
+def test_restored_samples_are_checked(engine, params):
+  gen = G.Generator(engine, params)
+  with pytest.raises(ValueError, match="restored sample 1 of group 3 has 0 tokens"):
+    gen.add_group(3, PROMPTS[0], 2, seed=0, restored={1: ([], [], [])})
+  with pytest.raises(ValueError, match="restored sample 1 of group 3 has 12 tokens"):
+    gen.add_group(3, PROMPTS[0], 2, seed=0, restored={1: ([5] * 12, [0.0] * 12, [0] * 12)})
+  with pytest.raises(ValueError, match="only a sample still to produce"):
+    gen.add_group(3, PROMPTS[0], 2, seed=0, samples=[0], restored={1: ([5], [0.0], [0])})
+  with pytest.raises(ValueError, match=r"must be some of 0..1, got \[\]"):
+    gen.add_group(3, PROMPTS[0], 2, seed=0, samples=[])
+  assert not gen.num_pending  # nothing was queued by a refused call

@@ -194,12 +194,22 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
   def add_group(self, group_id: int, prompt_tokens, num_samples: int, seed: int, *,
                 sampling: engine_lib.Sampling | None = None, max_new_tokens: int | None = None,
                 stop_on_eos: bool = True,
-                turn_end: Callable[[np.ndarray], int | None] | None = None) -> None:
+                turn_end: Callable[[np.ndarray], int | None] | None = None,
+                samples: Sequence[int] | None = None,
+                restored: dict[int, tuple] | None = None) -> None:
     """Queue G = num_samples completions of one prompt; sample i uses seed (seed, i).
 
     With `turn_end`, each sample is an episode of model turns and observations
     (turns.py): turn_end(turn_tokens) -> None (go on) or n, the turn ends after its
     first n tokens; max_new_tokens then bounds all completion tokens of the episode.
+
+    Resuming a group from a checkpoint: `samples` names the sample indices still to
+    produce (default all; the others finished before), and `restored` maps some of them
+    to (tokens, logprobs, versions) decoded before the checkpoint. Such a sample's
+    prompt and tokens are prefilled again under the current weights (in its own pages)
+    and it continues decoding at the position it reached, with the same PRNG stream
+    (keys depend on seed, sample index and position only); its earlier tokens keep their
+    log-probs and versions. Not for turn_end groups.
     """
     eng = self.engine
     prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
@@ -214,6 +224,20 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
     if not 1 <= max_new <= eng.max_new_tokens:
       raise ValueError(f"max_new_tokens {max_new} outside 1..{eng.max_new_tokens} "
                        "(sampler.max_new_tokens)")
+    todo = list(range(num_samples)) if samples is None else sorted({int(i) for i in samples})
+    if not todo or not 0 <= todo[0] <= todo[-1] < num_samples:
+      raise ValueError(f"samples of group {group_id} must be some of 0..{num_samples - 1}, "
+                       f"got {todo}")
+    restored = {int(i): tuple(np.asarray(x).tolist() for x in v)
+                for i, v in (restored or {}).items()}
+    for i, (tokens, logprobs, versions) in restored.items():
+      if turn_end is not None or i not in todo:
+        raise ValueError(f"restored sample {i} of group {group_id}: only a sample still to "
+                         "produce, of a group without turn_end, continues from its tokens")
+      if not (1 <= len(tokens) < max_new and len(tokens) == len(logprobs) == len(versions)):
+        raise ValueError(f"restored sample {i} of group {group_id} has {len(tokens)} tokens "
+                         f"({len(logprobs)} log-probs, {len(versions)} versions); a sample "
+                         f"in flight has 1..{max_new - 1} of each")
     cached = prompt.shape[0] - 1
     num_full = cached // eng.page_size
     per_sample = pt.pages_for(cached + max_new, eng.page_size) - num_full
@@ -229,9 +253,10 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
         group_id=group_id, prompt=prompt, num_samples=int(num_samples), seed=int(seed),
         sampling=self.sampling if sampling is None else sampling, max_new_tokens=max_new,
         stop_on_eos=bool(stop_on_eos), admitted=self._clock(), order=self._order,
-        waiting=collections.deque(range(num_samples)), num_full=num_full,
+        waiting=collections.deque(todo), num_full=num_full,
         partial=bool(cached % eng.page_size), turn_end=turn_end,
-        attempts=None if turn_end is None else [0] * int(num_samples)))
+        attempts=None if turn_end is None else [0] * int(num_samples),
+        done=int(num_samples) - len(todo), restored=restored or None))
     self._group_ids.add(group_id)
 
   def step(self) -> list[Rollout]:
@@ -283,8 +308,10 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
     out.extend(self._abort_parked(now))
     for g in list(self._groups):
       while g.waiting:
-        empty = SeqState(group=g, sample_index=g.waiting.popleft(), slot=-1, pages=[], length=0,
-                     cache_limit=0)
+        i = g.waiting.popleft()
+        tokens, logprobs, versions = (g.restored or {}).get(i, ([], [], []))
+        empty = SeqState(group=g, sample_index=i, slot=-1, pages=[], length=0, cache_limit=0,
+                         tokens=list(tokens), logprobs=list(logprobs), versions=list(versions))
         out.append(self._rollout(empty, "aborted", now))
         g.done += 1
       self._release_prefix(g)
@@ -413,11 +440,13 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
     inserts, exhausted, prefills, extends = [], [], [], []
     if self._resuming:  # older work than any new sample
       reserve = self._start_resumes(free, reserve, inserts, extends)
+    if free and any(g.restored for g in self._groups):
+      reserve = self._start_restored(free, reserve, inserts, extends)
     groups, i = list(self._groups), 0
     while free and i < len(groups):
       g = groups[i]
       i += 1
-      if not g.waiting:
+      if not self._fresh(g):
         continue
       cached = g.prompt.shape[0] - 1
       first_call = pt.pages_for(min(cached + eng.steps_per_call, cached + g.max_new_tokens),
@@ -433,11 +462,13 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
           i = 0
           continue
         self._prefill(g, prefills)
-      while g.waiting and free and alloc.num_free >= first_call + reserve:
+      while self._fresh(g) and free and alloc.num_free >= first_call + reserve:
         private = alloc.allocate(1) if g.partial else np.zeros((0,), np.int32)
         shared = g.prefix_pages[:g.num_full]
         alloc.share(shared)
-        seq = SeqState(group=g, sample_index=g.waiting.popleft(), slot=free.pop(),
+        index = self._fresh(g)[0]
+        g.waiting.remove(index)
+        seq = SeqState(group=g, sample_index=index, slot=free.pop(),
                    pages=[int(p) for p in shared] + [int(p) for p in private],
                    length=cached, cache_limit=cached + g.max_new_tokens)
         if g.turn_end is not None:
@@ -450,7 +481,7 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
             max_new_tokens=g.max_new_tokens, stop_on_eos=g.stop_on_eos, seed=g.seed,
             sample_index=seq.sample_index, sampling=g.sampling,
             copy=(int(g.prefix_pages[-1]), int(private[0])) if g.partial else None))
-      if not g.waiting:
+      if not self._fresh(g):
         exhausted.append(g)
     # Prompts go to the prefill lane of this pass's generate call while they fit, the
     # rest to one batched call now (an extra dispatch costs less than idle slots for a
@@ -468,6 +499,66 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
       self._pending.insert(entry)
     for g in exhausted:
       self._release_prefix(g)
+
+  @staticmethod
+  def _fresh(g: GroupState) -> list[int]:
+    """The group's waiting samples that start from the prompt (not restored ones)."""
+    if not g.restored:
+      return list(g.waiting) if g.waiting else []
+    return [i for i in g.waiting if i not in g.restored]
+
+  def _start_restored(self, free: list, reserve: int, inserts: list, extends: list) -> int:
+    """Start waiting samples restored mid-decode (add_group's `restored`), oldest group
+    first, while slots and pages last: each gets its own pages for the prompt, its
+    tokens so far and its next call; one extend writes their K/V, then its insert
+    continues from its last token. Returns `reserve` plus the pages they took."""
+    eng, alloc = self.engine, self.allocator
+    now = self._clock()
+    for g in self._groups:
+      for i in [i for i in g.waiting if g.restored and i in g.restored]:
+        tokens, logprobs, versions = g.restored[i]
+        cached = g.prompt.shape[0] - 1
+        length = cached + len(tokens)
+        need = pt.pages_for(min(length + eng.steps_per_call, cached + g.max_new_tokens),
+                            eng.page_size)
+        if not free or alloc.num_free < need + reserve:
+          return reserve  # first come, first served, as for new prompts
+        g.waiting.remove(i)
+        seq = SeqState(group=g, sample_index=i, slot=free.pop(),
+                       pages=[int(p) for p in alloc.allocate(need)], length=length,
+                       cache_limit=cached + g.max_new_tokens, tokens=list(tokens),
+                       logprobs=list(logprobs), versions=list(versions), first_token=now)
+        self._slots[seq.slot] = seq
+        g.running += 1
+        reserve += self._pages_short(seq)
+        # The cache holds every input but the next one: the prompt and the tokens so far
+        # but the last, which is the next decode input.
+        extends.append((np.concatenate([g.prompt, np.asarray(tokens[:-1], np.int32)]), 0,
+                        list(seq.pages)))
+        inserts.append(dict(
+            slot=seq.slot, pages=seq.pages, token=int(tokens[-1]), length=length,
+            max_new_tokens=g.max_new_tokens - len(tokens), stop_on_eos=g.stop_on_eos,
+            seed=g.seed, sample_index=i, sampling=g.sampling))
+    return reserve
+
+  def snapshot(self) -> tuple[dict[int, dict[int, tuple]], list[Rollout]]:
+    """What a checkpoint keeps of the RL groups (ids >= 0) in this generator: group id ->
+    {sample index: (tokens, logprobs, versions)} of each sample decoded partway (running,
+    or restored and still waiting), and the rollouts that finished but that step() has
+    not returned yet, handed to the caller (removed here). Reads the generate call on
+    the device first, so no decoded token is left out. Sampler thread (or paused)."""
+    self._held += self._collect()
+    finished = [r for r in self._held if r.group_id >= 0]
+    self._held = [r for r in self._held if r.group_id < 0]
+    out: dict[int, dict[int, tuple]] = {}
+    for g in self._groups:
+      if g.group_id >= 0:
+        out[g.group_id] = {i: g.restored[i] for i in g.waiting if g.restored and i in g.restored}
+    for seq in self._slots:
+      if seq is not None and seq.group.group_id >= 0 and seq.turn is None and seq.tokens:
+        out[seq.group.group_id][seq.sample_index] = (
+            list(seq.tokens), list(seq.logprobs), list(seq.versions))
+    return out, finished
 
   def _consume(self, out: engine_lib.StepOutput, version: int, busy) -> list[Rollout]:
     """Append the tokens of one call to its busy sequences, busy = [(slot, sequence,

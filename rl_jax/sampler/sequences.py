@@ -37,6 +37,9 @@ class GroupState:
   turn_end: Callable[[np.ndarray], int | None] | None = None  # multi-turn episodes (turns.py)
   attempts: list | None = None  # per sample: restarts from the prompt (turn_end groups)
   parked: int = 0  # samples parked at a tool call or resuming
+  # Samples restored from a checkpoint mid-decode: index -> (tokens, logprobs, versions)
+  # decoded before it; such a sample continues from there (Generator.add_group).
+  restored: dict | None = None
 
 
 @dataclasses.dataclass(eq=False)
