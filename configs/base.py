@@ -252,6 +252,11 @@ def _checkpoint(c) -> None:
   # After SIGTERM (preemption) the run saves and exits within this many seconds, or
   # exits without a new checkpoint when the save cannot finish in time.
   c.checkpoint.grace_period_s = 30.0
+  # Async mode: which rollouts a checkpoint keeps. "all": the queued groups, the groups
+  # being verified, and the sequences being decoded (continued after a resume); "queued":
+  # the queued and verifying groups; "off": none (every group in flight is lost on resume).
+  # Sync mode regenerates its window bit for bit whatever this says.
+  c.checkpoint.rollouts = "all"
 
 
 def _metrics(c) -> None:

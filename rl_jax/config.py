@@ -426,6 +426,7 @@ def validate(cfg, num_devices: int | None = None) -> ml_collections.ConfigDict:
   _choice(cfg, "rl.overlong", ("none", "mask", "penalty"))
   _choice(cfg, "rl.control", ("auto", "off", "admission"))
   _choice(cfg, "rl.queue_order", ("fifo", "oldest_version"))
+  _choice(cfg, "checkpoint.rollouts", ("off", "queued", "all"))
   _choice(cfg, "model.dtype", ("auto", "float32", "bfloat16"))
   _choice(cfg, "model.param_dtype", ("float32", "bfloat16"))
   _choice(cfg, "model.remat", ("none", "full", "dots"))

@@ -207,7 +207,10 @@ def test_sync_resume_after_sigkill_is_bitwise_identical(sync_runs):
               if "optim/loss" in r}
   assert sorted(rows) == [1, 2, 3, 4, 5]  # rows of the killed attempt past the cut are gone
   assert [rows[s]["optim/loss"] for s in rows] == [ref_rows[s]["optim/loss"] for s in rows]
-  assert summary["resumes"] == [{"step": step, "groups_lost": 0, "skipped_steps": []}]
+  assert summary["resumes"] == [{
+      "step": step, "groups_lost": 0, "rollouts_lost": 0, "tokens_lost": 0, "groups_queued": 0,
+      "groups_continued": 0, "sequences_continued": 0, "tokens_continued": 0,
+      "groups_discarded_stale": 0, "skipped_steps": []}]
   assert summary["groups_trained"] == ref_summary["groups_trained"] == 20
   assert summary["groups_lost_on_resume"] == 0
   # The window's filtered groups are filtered again after the resume, counted once.
@@ -418,3 +421,163 @@ def test_queued_groups_round_trip_multi_turn_rollouts():
   np.testing.assert_array_equal(back.rollouts[0].model_mask, multi.model_mask)
   assert back.rollouts[0].model_mask.dtype == bool and back.rollouts[1].model_mask is None
   assert back.rollouts[0].min_version == 4 and back.rollouts[0].staleness(6) == 2
+
+
+def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_flags=(),
+                           before_resume=None):
+  """An async run preempted (SIGTERM's path) after step `preempt_at` and resumed in
+  the same process: (the resumed run's summary, the loop state of the checkpoint it
+  resumed from, the groups and partial samples handed to the resumed sampler, and the
+  rollouts the resumed sampler finished). The sampler sleeps 20 ms per step, so the
+  trainer outpaces it and the cut falls while sequences are being decoded."""
+  from rl_jax.orchestration.sampler_worker import SamplerWorker
+  cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
+                                  "--config.rl.total_steps=4", "--config.metrics.console=false",
+                                  *flags])
+  config_lib.validate(cfg)
+  step_once, after_step = SamplerWorker.step_once, loop.Pipeline._after_step
+  restore_in_flight, finished = SamplerWorker.restore_in_flight, SamplerWorker.on_rollout_finished
+  seen = {"restored": None, "rollouts": [], "first": True}
+
+  def slow_step(self):
+    time.sleep(0.02)
+    return step_once(self)
+
+  def preempt(self, step, groups, tm, heldout):
+    if seen["first"] and step == preempt_at:
+      self._preempt.set()  # what SIGTERM's handler does
+    return after_step(self, step, groups, tm, heldout)
+
+  def restore(self, groups, partial):
+    seen["restored"] = (list(groups), dict(partial))
+    return restore_in_flight(self, groups, partial)
+
+  def record(self, r):
+    if not seen["first"]:
+      seen["rollouts"].append(r)
+    return finished(self, r)
+  monkeypatch.setattr(SamplerWorker, "step_once", slow_step)
+  monkeypatch.setattr(loop.Pipeline, "_after_step", preempt)
+  monkeypatch.setattr(SamplerWorker, "restore_in_flight", restore)
+  monkeypatch.setattr(SamplerWorker, "on_rollout_finished", record)
+  with pytest.raises(loop.Preempted):
+    loop.Pipeline(cfg, str(tmp_path)).run()
+  seen["first"] = False
+  if before_resume is not None:
+    before_resume(cfg)
+  cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
+                                  "--config.rl.total_steps=4", "--config.metrics.console=false",
+                                  *flags, *resume_flags])
+  summary = loop.Pipeline(cfg, str(tmp_path)).run()
+  state = ck.Checkpointer(str(tmp_path), read_only=True).read_json(preempt_at, "loop")
+  return summary, state, seen["restored"], seen["rollouts"]
+
+
+def _accounting_holds(summary, lost):
+  assert summary["groups_admitted"] == (summary["groups_trained"] +
+                                        summary["groups_discarded_stale"] +
+                                        summary["groups_dropped_verifier_error"] + lost +
+                                        summary["groups_in_flight_at_end"])
+  assert summary["rollouts_in_flight_at_end"] >= 0
+
+
+def test_a_preempted_async_run_continues_its_sequences_where_they_were(tmp_path, monkeypatch):
+  """checkpoint.rollouts=all (the default): the cut keeps the queued groups, the groups
+  being verified and every sequence being decoded, token for token; the resumed sampler
+  continues each sequence after its saved tokens, which keep their log-probs and policy
+  versions; nothing is lost and every admitted group is accounted for once."""
+  from rl_jax.orchestration import checkpointing
+  from rl_jax.tasks import make_task
+  summary, state, restored, rollouts = _preempted_and_resumed(tmp_path, monkeypatch)
+  assert state["lost_group_ids"] == [] and state["lost_tokens"] == 0
+  groups, partial = restored
+  saved, saved_partial = checkpointing.unpack(state["inflight_groups"], make_task(
+      config_lib.parse_args(TINY)[0].task))
+  assert [g.group_id for g in groups] == [g.group_id for g in saved]
+  def lists(p):
+    return {g: {i: [np.asarray(x).tolist() for x in v] for i, v in seqs.items()}
+            for g, seqs in p.items()}
+  assert saved_partial, "the cut should fall in mid-decode"
+  assert lists(partial) == lists(saved_partial)
+  by_key = {(r.group_id, r.sample_index): r for r in rollouts}
+  for gid, seqs in partial.items():
+    for i, (tokens, logprobs, versions) in seqs.items():
+      r = by_key[gid, i]  # finished after the resume, with its saved prefix
+      n = len(tokens)
+      assert 0 < n < r.num_tokens or r.finish_reason == "stop"
+      np.testing.assert_array_equal(r.completion_tokens[:n], tokens)
+      np.testing.assert_array_equal(r.behavior_logprobs[:n], logprobs)
+      np.testing.assert_array_equal(r.token_versions[:n], versions)
+      assert (r.token_versions[n:] >= state["version"]).all()
+      assert max(versions) <= state["version"]
+  (resume,) = summary["resumes"]
+  assert resume["groups_lost"] == 0 and resume["tokens_lost"] == 0
+  assert resume["groups_continued"] == len(groups) > 0
+  assert resume["sequences_continued"] == sum(len(v) for v in partial.values())
+  assert resume["groups_queued"] == len(state["queued_groups"]["groups"])
+  assert summary["sampler_tokens_lost_on_resume"] == 0
+  assert summary["groups_trained"] == 4 * 4
+  _accounting_holds(summary, lost=0)
+
+
+def test_rollouts_off_loses_the_groups_in_flight_and_counts_their_tokens(tmp_path, monkeypatch):
+  """checkpoint.rollouts=off: the same cut carries nothing; the groups it held are lost
+  on resume, their sampled tokens counted, and the accounting still holds."""
+  summary, state, restored, _ = _preempted_and_resumed(
+      tmp_path, monkeypatch, "--config.checkpoint.rollouts=off")
+  assert restored == ([], {})
+  assert state["queued_groups"]["groups"] == state["inflight_groups"]["groups"] == []
+  (resume,) = summary["resumes"]
+  assert resume["groups_lost"] == len(state["lost_group_ids"]) > 0
+  assert resume["tokens_lost"] == state["lost_tokens"] > 0
+  assert summary["sampler_tokens_lost_on_resume"] == resume["tokens_lost"]
+  _accounting_holds(summary, lost=resume["groups_lost"])
+
+
+def test_the_staleness_rule_decides_for_the_groups_in_flight_on_resume(tmp_path, monkeypatch):
+  """Resumed with rl.max_staleness=0, every group in flight holding a token of an older
+  version than the checkpoint's is discarded on resume (counted by its oldest version),
+  not generated to the end; the others continue."""
+  from rl_jax.orchestration import checkpointing
+  from rl_jax.tasks import make_task
+  summary, state, restored, _ = _preempted_and_resumed(
+      tmp_path, monkeypatch, resume_flags=("--config.rl.max_staleness=0",))
+  saved, partial = checkpointing.unpack(state["inflight_groups"], make_task(
+      config_lib.parse_args(TINY)[0].task))
+  oldest = {g.group_id: checkpointing._oldest_version(g, partial) for g in saved}
+  stale = {g for g, v in oldest.items() if v is not None and v < state["version"]}
+  assert stale, "the cut should hold groups sampled by an older version"
+  (resume,) = summary["resumes"]
+  assert resume["groups_discarded_stale"] == len(stale)
+  assert {g.group_id for g in restored[0]} == set(oldest) - stale
+  assert sum(summary["discarded_by_version"].get(str(oldest[g]), 0) for g in stale) >= len(stale)
+  _accounting_holds(summary, lost=0)
+
+
+@pytest.mark.parametrize("change, said", [("tokenizer", "another tokenizer (tokenizer fingerprint"),
+                                          ("prompt", "task example")])
+def test_rollouts_from_another_tokenizer_or_task_are_refused(tmp_path, monkeypatch, change,
+                                                             said):
+  """A checkpoint's rollouts sampled with another tokenizer, or from prompts the task now
+  encodes differently, are refused with one line that names which and how to resume
+  without them; with checkpoint.rollouts=off the same checkpoint resumes."""
+  from rl_jax.data import prompts as prompts_lib
+  from rl_jax.model import tokenizer as tokenizer_lib
+
+  def change_it(cfg):
+    del cfg
+    if change == "tokenizer":
+      monkeypatch.setattr(tokenizer_lib.CharTokenizer, "fingerprint", lambda self: "char-other")
+    else:
+      encode = prompts_lib.prompt_tokens
+      monkeypatch.setattr(prompts_lib, "prompt_tokens", lambda *a: encode(*a)[:-1] + [7])
+  with pytest.raises(loop.RunError) as info:
+    _preempted_and_resumed(tmp_path, monkeypatch, before_resume=change_it)
+  message = str(info.value)
+  assert said in message and "\n" not in message, message
+  assert "resume with --config.checkpoint.rollouts=off" in message
+  cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
+                                  "--config.rl.total_steps=4", "--config.metrics.console=false",
+                                  "--config.checkpoint.rollouts=off"])
+  summary = loop.Pipeline(cfg, str(tmp_path)).run()
+  assert summary["resumes"][-1]["groups_lost"] > 0 and summary["groups_trained"] == 16

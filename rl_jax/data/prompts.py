@@ -197,6 +197,13 @@ def make_prompt_source(task, data_cfg, tokenizer, seed: int, process_index: int 
                       max_prompt_length=int(data_cfg.max_prompt_length))
 
 
+def prompt_tokens(task, data_cfg, tokenizer, index: int) -> list[int]:
+  """The prompt tokens of training example `index`, as the prompt stream encodes them."""
+  record = _MakeRecord(task=task, tokenizer=tokenizer, max_length=int(data_cfg.max_prompt_length),
+                       chat=chat_format(data_cfg, tokenizer))(index)
+  return list(record["prompt_tokens"])
+
+
 def heldout_records(task, data_cfg, tokenizer) -> list[dict[str, Any]]:
   """Records of task.heldout_examples(), "index" being the position in that list.
 

@@ -7,6 +7,7 @@ with a chat template, `HFTokenizer.apply_chat_template(messages)` (rl_jax.model.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Iterable
@@ -44,6 +45,10 @@ class CharTokenizer:
   @property
   def stop_ids(self) -> frozenset[int]:
     return frozenset({self.eos_id})
+
+  def fingerprint(self) -> str:
+    """Identifies the vocabulary (checkpoints compare it before continuing rollouts)."""
+    return f"char-{self.vocab_size}"
 
   def _char_id(self, ch: str) -> int:
     code = ord(ch)
@@ -132,6 +137,14 @@ class HFTokenizer:
                         self.eos_id)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self._path = path
+    digest = hashlib.sha256(open(file, "rb").read())
+    digest.update(repr((self.eos_id, self.bos_id, self.pad_id, sorted(self.stop_ids))).encode())
+    self._fingerprint = digest.hexdigest()[:16]
+
+  def fingerprint(self) -> str:
+    """tokenizer.json's bytes and the special ids, hashed (checkpoints compare it
+    before continuing rollouts)."""
+    return self._fingerprint
 
   def encode(self, text: str, add_bos: bool = False) -> list[int]:
     # Special tokens are added here explicitly, never by the tokenizer's post-processor.

@@ -471,6 +471,8 @@ class RunAccounting:
         "groups_lost_on_resume": c["groups_lost_on_resume"],
         "groups_in_flight_at_end": groups_in_flight,
         "rollouts_lost_on_resume": c["rollouts_lost_on_resume"],
+        # Sampled tokens of the groups lost on resume: sampler work done again.
+        "sampler_tokens_lost_on_resume": c["tokens_lost_on_resume"],
         "rollouts_in_flight_at_end": (c["rollouts_generated"] - c["rollouts_trained"] -
                                       c["rollouts_discarded_stale"] -
                                       c["rollouts_dropped_verifier_error"] -
@@ -501,8 +503,16 @@ class RunAccounting:
         "resumes": self.resumes,
     }
 
-  def load(self, loop: dict, *, step: int, skipped_steps: int) -> int:
-    """Continues the counters of a checkpoint's loop state; the groups it lost."""
+  def discarded_at_resume(self, group, oldest_version: int) -> None:
+    """A group a checkpoint carried in flight that the staleness rule rejects on resume
+    (its finished rollouts were counted as generated before the checkpoint)."""
+    self.counts["groups_discarded_stale"] += 1
+    self.counts["rollouts_discarded_stale"] += len(group.rollouts)
+    self.discarded_by_version[oldest_version] += 1
+
+  def load(self, loop: dict, *, step: int, skipped_steps: int, record: dict) -> None:
+    """Continues the counters of a checkpoint's loop state; `record` says what the resume
+    lost, carried and discarded (RunCheckpoints._carry)."""
     self.counts.update(loop["counts"])
     self.staleness_hist.update({int(k): v for k, v in loop["staleness_hist"].items()})
     self.discarded_by_version.update(
@@ -515,9 +525,8 @@ class RunAccounting:
     for k in _SYNC_KEYS:  # checkpoints from before a timing existed lack its key
       key = "weight_sync_s" if k == "transfer_s" else f"weight_sync_{k}"
       self.carried[k] = list(loop.get(key, [0.0, 0]))
-    lost = len(loop["lost_group_ids"])
-    self.counts["groups_lost_on_resume"] += lost
-    self.counts["rollouts_lost_on_resume"] += loop["lost_rollouts"]
-    self.resumes = loop["resumes"] + [{"step": step, "groups_lost": lost,
+    self.counts["groups_lost_on_resume"] += record["groups_lost"]
+    self.counts["rollouts_lost_on_resume"] += record["rollouts_lost"]
+    self.counts["tokens_lost_on_resume"] += record["tokens_lost"]
+    self.resumes = loop["resumes"] + [{"step": step, **record,
                                        "skipped_steps": skipped_steps}]
-    return lost

@@ -26,8 +26,11 @@ RunError with one line (an unexpected exception's traceback goes to <workdir>/er
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
+import hashlib
 import io
+import json
 import os
 import signal
 import sys
@@ -45,21 +48,33 @@ from rl_jax.orchestration.errors import Preempted, RunError
 from rl_jax.types import Group, Rollout
 
 
-def pack_groups(groups: list[Group]) -> dict:
-  """Verified groups as JSON: per-rollout fields, and the token arrays concatenated in
-  one compressed npz (base64), so a checkpoint's loop item can carry them."""
+def pack_groups(groups: list[Group], partial: dict[int, dict] | None = None) -> dict:
+  """Groups as JSON: per-rollout fields (rewards where verified, "pending" where not),
+  and the token arrays concatenated in one compressed npz (base64), so a checkpoint's
+  loop item can carry them; with `partial` (group id -> {sample index: (tokens,
+  logprobs, versions)}) also the samples decoded partway."""
   rows = [r for g in groups for r in g.rollouts]
   arrays = {}
-  for name, dtype in _ROLLOUT_ARRAYS:
-    # A single-turn rollout's model_mask (None) is stored as all True.
-    parts = [np.asarray(r.model_token_mask if name == "model_mask" else getattr(r, name), dtype)
-             for r in rows]
+
+  def put(name, dtype, parts):
+    parts = [np.asarray(x, dtype) for x in parts]
     arrays[name] = np.concatenate(parts) if parts else np.zeros(0, dtype)
     arrays[name + "_len"] = np.asarray([len(x) for x in parts], np.int64)
+
+  for name, dtype in _ROLLOUT_ARRAYS:
+    # A single-turn rollout's model_mask (None) is stored as all True.
+    put(name, dtype, [r.model_token_mask if name == "model_mask" else getattr(r, name)
+                      for r in rows])
+  put("group_prompt", np.int32, [g.prompt_tokens for g in groups])
+  seqs = [(g.group_id, i, v) for g in groups
+          for i, v in sorted((partial or {}).get(g.group_id, {}).items())]
+  for k, (name, dtype) in enumerate(_PARTIAL_ARRAYS):
+    put(name, dtype, [v[k] for _, _, v in seqs])
   buf = io.BytesIO()
   np.savez_compressed(buf, **arrays)
   meta = [{"group_id": g.group_id, "index": g.index, "admitted": g.admitted,
-           "rollouts": [_rollout_fields(r) for r in g.rollouts]}
+           "rollouts": [_rollout_fields(r) for r in g.rollouts],
+           "partial": [i for gid, i, _ in seqs if gid == g.group_id]}
           for g in groups]
   return {"groups": meta, "arrays": base64.b64encode(buf.getvalue()).decode("ascii")}
 
@@ -74,12 +89,25 @@ def _rollout_fields(r: Rollout) -> dict:
 
 def unpack_groups(packed: dict | None, task) -> list[Group]:
   """pack_groups' groups again (rollouts in their saved order, examples from `task`)."""
+  return unpack(packed, task)[0]
+
+
+def unpack(packed: dict | None, task) -> tuple[list[Group], dict[int, dict]]:
+  """pack_groups' groups and partial samples again."""
   if not packed or not packed["groups"]:
-    return []
+    return [], {}
   data = np.load(io.BytesIO(base64.b64decode(packed["arrays"])))
-  # Checkpoints written before multi-turn rollouts have no model_mask.
-  splits = {name: np.split(data[name], np.cumsum(data[name + "_len"])[:-1])
-            for name, _ in _ROLLOUT_ARRAYS if name in data}
+
+  def split(name):
+    return np.split(data[name], np.cumsum(data[name + "_len"])[:-1])
+
+  # Checkpoints written before multi-turn rollouts have no model_mask, before rollouts
+  # in flight were kept no group prompts or partial samples.
+  splits = {name: split(name) for name, _ in _ROLLOUT_ARRAYS if name in data}
+  prompts = split("group_prompt") if "group_prompt" in data else None
+  seqs = iter(zip(*(split(name) for name, _ in _PARTIAL_ARRAYS))) if (
+      "partial_tokens" in data) else iter(())
+  partial: dict[int, dict] = {}
   groups, row = [], 0
   for g in packed["groups"]:
     rollouts = []
@@ -91,15 +119,21 @@ def unpack_groups(packed: dict | None, task) -> list[Group]:
         arrays["model_mask"] = None
       rollouts.append(Rollout(group_id=g["group_id"], **arrays, **fields))
       row += 1
+    prompt = prompts[len(groups)] if prompts is not None else rollouts[0].prompt_tokens
     groups.append(Group(group_id=g["group_id"], example=task.example(g["index"]),
-                        prompt_tokens=rollouts[0].prompt_tokens, rollouts=rollouts,
+                        prompt_tokens=prompt, rollouts=rollouts,
                         admitted=g["admitted"], index=g["index"]))
-  return groups
+    for i in g.get("partial", []):
+      tokens, logprobs, versions = next(seqs)
+      partial.setdefault(g["group_id"], {})[int(i)] = (tokens, logprobs, versions)
+  return groups, partial
 
 
 _ROLLOUT_ARRAYS = (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
                    ("behavior_logprobs", np.float32), ("token_versions", np.int32),
                    ("model_mask", bool))
+_PARTIAL_ARRAYS = (("partial_tokens", np.int32), ("partial_logprobs", np.float32),
+                   ("partial_versions", np.int32))
 _ROLLOUT_FIELDS = ("sample_index", "finish_reason", "reward", "verifier_status", "reward_info",
                    "completion_text", "admitted", "first_token", "finished", "verified",
                    "enqueued", "num_turns")
@@ -132,11 +166,15 @@ class RunCheckpoints:
       config = {"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)}
       if p.trainer.lora:
         config["lora_base"] = self._base_record()
+      # Async: the sampler thread waits between two steps while the cut is taken, so the
+      # sequences being decoded are read at one moment (the call on the device included).
+      with (p.worker.paused() if not p.policy.sync else contextlib.nullcontext()):
+        loop = self.loop_state(step)
       saved = self.checkpointer.save(
           step, params=p.state.params, opt_state=p.state.opt_state,
           # () when there is none: kl_beta = 0, or LoRA (the reference is the base).
           ref_params=p.trainer.ref_params or None,
-          loop=self.loop_state(step), heldout=heldout, wait=wait, config=config)
+          loop=loop, heldout=heldout, wait=wait, config=config)
     p.acc.checkpoint_blocking_s += time.perf_counter() - t0
     return saved
 
@@ -182,10 +220,15 @@ class RunCheckpoints:
     """The JSON half of a checkpoint: the cut (module docstring), the trainer-side
     counters and everything summary.json accumulates."""
     import jax
+    from rl_jax.orchestration import multihost
     p = self.p
+    keeps = self.keeps()
+    # The samples decoded partway: kept with "all", counted as lost tokens otherwise
+    # (a multi-process leader's sampler is not read out of turn: its followers replay it).
+    partial = ({} if p.policy.sync or multihost.multi_process() else p.worker.take_partial())
     c = p.worker.cut_state()
     outstanding, counts, cut, prompts = c["outstanding"], c["counts"], c["next_gid"], c["prompts"]
-    queued, lost = [], sorted(outstanding)
+    queued, generating, lost, lost_tokens = [], [], sorted(outstanding), 0
     if p.policy.sync:
       window = c["sync_window"]
       if window is not None and window[0] == step:
@@ -205,8 +248,18 @@ class RunCheckpoints:
       lost = []
     else:
       queued = [g for g in c["queued"] if g.group_id in outstanding]
-      carried = {g.group_id for g in queued}
+      # (A group being queued at the cut is in both lists: it counts as queued.)
+      generating = [g for g in c["generating"] if g.group_id in outstanding and
+                    g.group_id not in {q.group_id for q in queued}]
+      size = p.cfg.rl.group_size
+      kept_q = queued if keeps != "off" else []
+      kept_g = [g for g in generating if keeps == "all" or (
+          keeps == "queued" and len(g.rollouts) == size)]
+      carried = {g.group_id for g in kept_q + kept_g}
       lost = [g for g in lost if g not in carried]
+      lost_tokens = sum(_tokens(g, partial) for g in queued + generating
+                        if g.group_id not in carried)
+      queued, generating = kept_q, kept_g
     train_step, skipped = jax.device_get((p.state.step, p.state.skipped))
     return {
         "step": step, "train_step": int(train_step), "skipped": int(skipped),
@@ -218,10 +271,101 @@ class RunCheckpoints:
         # index the uninterrupted run reaches at the cut; in async mode it is unused yet.
         "verifier_calls": cut * p.cfg.rl.group_size,
         "lost_group_ids": lost, "lost_rollouts": sum(outstanding[g]["rollouts"] for g in lost),
+        "lost_tokens": lost_tokens,
         "queued_groups": pack_groups(queued),
+        # Being verified or generated (checkpoint.rollouts), with the partial samples.
+        "inflight_groups": pack_groups(generating, partial if keeps == "all" else None),
+        "rollout_source": self.rollout_source(),
         "control": p.control.state() if p.control is not None else None,
         **p.acc.state(counts),
     }
+
+  def keeps(self) -> str:
+    """What this run's checkpoints keep of the rollouts in flight: checkpoint.rollouts in
+    async mode, except that a multi-process run keeps at most the queued groups (its
+    followers replay the leader's sampling and cannot continue a restored sequence) and a
+    task with an environment keeps no sequence in mid-episode; "off" in sync mode (its
+    cut regenerates the window)."""
+    from rl_jax.orchestration import multihost
+    p = self.p
+    mode = p.cfg.checkpoint.rollouts
+    if p.policy.sync:
+      return "off"
+    if mode == "all" and (multihost.multi_process() or p.env is not None):
+      return "queued"
+    return mode
+
+  def rollout_source(self) -> dict:
+    """Fingerprints of what sampled the carried rollouts: the model's architecture, the
+    tokenizer and the task (with its data and prompt settings)."""
+    p = self.p
+    model = {k: v for k, v in dataclasses.asdict(p.model_cfg).items()
+             if k not in ("remat", "attention")}
+    task = {"task": p.cfg.task.to_dict(), "data": p.cfg.data.to_dict(),
+            "class": type(p.task).__name__}
+    return {"model": _digest(model), "tokenizer": p.tokenizer.fingerprint(),
+            "task": _digest(task)}
+
+  def _check_source(self, saved: dict | None, groups: list[Group], where: str) -> None:
+    """RunError (one line) when the carried rollouts were sampled with another model,
+    tokenizer or task than this run's, checked by fingerprint and by encoding each
+    carried group's prompt again."""
+    from rl_jax.data import prompts as prompts_lib
+    p = self.p
+    hint = ("; resume with --config.checkpoint.rollouts=off to start without them "
+            "(they are counted as lost)")
+    ours = self.rollout_source()
+    for key, what in (("model", "model architecture"), ("tokenizer", "tokenizer"),
+                      ("task", "task or data settings")):
+      if saved is not None and saved.get(key) != ours[key]:
+        raise RunError(f"{where} holds rollouts sampled with another {what} ({key} "
+                       f"fingerprint {saved.get(key)}, this run's {ours[key]}){hint}")
+    for g in groups:
+      tokens = prompts_lib.prompt_tokens(p.task, p.cfg.data, p.tokenizer, g.index)
+      if not np.array_equal(np.asarray(tokens, np.int32), np.asarray(g.prompt_tokens)):
+        raise RunError(f"{where} holds rollouts of group {g.group_id} whose prompt (task "
+                       f"example {g.index}) this run's task and tokenizer encode "
+                       f"differently: the task's data changed{hint}")
+
+  def _carry(self, loop: dict, where: str) -> tuple[list[Group], list[Group], dict, dict]:
+    """The groups a checkpoint carried that this run continues: (queued, in flight,
+    their partial samples, the resume's record: what was lost, carried, discarded)."""
+    p = self.p
+    queued, _ = unpack(loop.get("queued_groups"), p.task)
+    inflight, partial = unpack(loop.get("inflight_groups"), p.task)
+    keeps = self.keeps()
+    lost_q = queued if keeps == "off" else []
+    lost_i = [g for g in inflight if keeps == "off" or (
+        keeps == "queued" and len(g.rollouts) < p.cfg.rl.group_size)]
+    gone = {g.group_id for g in lost_q + lost_i}
+    queued = [g for g in queued if g.group_id not in gone]
+    inflight = [g for g in inflight if g.group_id not in gone]
+    if keeps != "all":
+      partial = {}
+    if queued or inflight:
+      self._check_source(loop.get("rollout_source"), queued + inflight, where)
+    # The staleness rule decides now for the groups in flight: their oldest token only
+    # ages, so a group past the bound would be generated to be discarded.
+    stale = []
+    for g in inflight:
+      oldest = _oldest_version(g, partial)
+      if oldest is not None and not p.policy.accepts(p.version - oldest):
+        stale.append((g, oldest))
+    gone = {g.group_id for g, _ in stale}
+    inflight = [g for g in inflight if g.group_id not in gone]
+    record = {
+        "groups_lost": len(loop["lost_group_ids"]) + len(lost_q) + len(lost_i),
+        "rollouts_lost": loop["lost_rollouts"] + sum(len(g.rollouts) for g in lost_q + lost_i),
+        "tokens_lost": loop.get("lost_tokens", 0) + sum(_tokens(g, partial if keeps == "all"
+                                                                 else {}) for g in lost_q + lost_i),
+        "groups_queued": len(queued), "groups_continued": len(inflight),
+        "sequences_continued": sum(len(partial.get(g.group_id, {})) for g in inflight),
+        "tokens_continued": sum(_tokens(g, partial) for g in inflight),
+        "groups_discarded_stale": len(stale)}
+    for g, oldest in stale:
+      p.acc.discarded_at_resume(g, oldest)
+    partial = {g.group_id: partial[g.group_id] for g in inflight if g.group_id in partial}
+    return queued, inflight, partial, record
 
   def restore(self) -> dict | None:
     """Loads the newest usable checkpoint into the pipeline; its loop state, or None for
@@ -269,16 +413,22 @@ class RunCheckpoints:
     # continuing the index keeps sync-mode rewards identical to an uninterrupted run.
     if p.pool is not None:
       p.pool.continue_from(int(loop["verifier_calls"]))
-    lost = p.acc.load(loop, step=r.step, skipped_steps=r.skipped_steps)
+    queued, inflight, partial, record = self._carry(loop, ck.where(r.step))
+    p.acc.load(loop, step=r.step, skipped_steps=r.skipped_steps, record=record)
     if p.control is not None and loop.get("control"):
       p.control.load(loop["control"])  # the live settings, not the config's, continue
-    queued = unpack_groups(loop.get("queued_groups"), p.task)
     p.worker.restore_queued(queued)
+    p.worker.restore_in_flight(inflight, partial)
     self.truncate_metrics(r.step)
+    stale = record["groups_discarded_stale"]
     p.console.message(
         f"resumed from {ck.where(r.step)} (policy version {p.version}); "
         f"{len(queued)} verified groups queued there are trained now, "
-        f"{lost} groups in flight there are lost on resume")
+        f"{len(inflight)} groups being generated or verified there continue "
+        f"({record['sequences_continued']} sequences from the token they reached), "
+        + (f"{stale} too stale to train are discarded, " if stale else "") +
+        f"{record['groups_lost']} groups in flight there are lost on resume "
+        f"({record['tokens_lost']} sampled tokens; checkpoint.rollouts={self.keeps()})")
     if changed:
       _warn("warning: config fields changed since the checkpoint: " + "; ".join(changed))
     return loop
@@ -345,6 +495,23 @@ class RunCheckpoints:
       return failed + "no checkpoint was saved yet"
     return (failed + f"{'saved' if latest == step else 'the newest is'} checkpoint step "
             f"{latest} in {self.checkpointer.directory}" + resume)
+
+
+def _tokens(g: Group, partial: dict) -> int:
+  """Sampled tokens a group holds: its finished rollouts' and its partial samples'."""
+  return (sum(r.num_tokens for r in g.rollouts) +
+          sum(len(v[0]) for v in partial.get(g.group_id, {}).values()))
+
+
+def _oldest_version(g: Group, partial: dict) -> int | None:
+  """The oldest policy version among a group's sampled tokens (None: none sampled)."""
+  versions = [r.min_version for r in g.rollouts if r.num_tokens]
+  versions += [int(np.min(v[2])) for v in partial.get(g.group_id, {}).values() if len(v[2])]
+  return min(versions, default=None)
+
+
+def _digest(value) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def last_line(e: BaseException) -> str:

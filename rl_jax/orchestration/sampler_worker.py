@@ -87,6 +87,7 @@ class SamplerWorker:
     # the group was drawn, "rollouts": finished so far}.
     self.outstanding: dict[int, dict] = {}
     self._groups: dict[int, Group] = {}  # admitted, not yet complete
+    self._completing: dict[int, Group] = {}  # complete, verified, not yet queued
     self._staged: dict[int, Publication] = {}
     self.requested_version = 0  # newest version handed to the generator
     self.published_at: dict[int, float] = {}  # version -> launch time (time.time())
@@ -104,6 +105,7 @@ class SamplerWorker:
     self._filter_window = [0, 0]  # steps done, groups filtered while filling that step
     self._sync_dropped = 0
     self._new_drops: list[int] = []
+    self._restored: list[tuple[Group, dict]] = []  # see restore_in_flight
     self._stop = threading.Event()
     self._pause = threading.Event()
     self._paused = threading.Event()
@@ -112,6 +114,7 @@ class SamplerWorker:
   # -- the thread --------------------------------------------------------------------
 
   def start(self) -> None:
+    self._continue_restored()
     self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
     self._thread.start()
 
@@ -262,6 +265,8 @@ class SamplerWorker:
     for x in group.rollouts:
       x.enqueued = time.time()
     self.queue.put(group)
+    with self.lock:
+      self._completing.pop(group.group_id, None)
 
   def admit_one(self) -> int:
     """Draws the next prompt as group `next_group_id` and adds it to the generator."""
@@ -323,6 +328,16 @@ class SamplerWorker:
       self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,
                        callback=self._on_verified)
 
+  def _verify_again(self, group: Group, r) -> None:
+    """A restored rollout whose verification the checkpoint cut short: submitted again
+    (it was counted as generated before the checkpoint)."""
+    with self.lock:
+      self._tick(time.monotonic())
+      self._since = self._since if self.verifying else time.monotonic()
+      self.verifying += 1
+    self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,
+                     callback=self._on_verified)
+
   def _on_verified(self, key, result) -> None:
     # The pool only logs a callback's exception; the run must stop on it instead of
     # waiting for a group that can no longer complete.
@@ -351,29 +366,39 @@ class SamplerWorker:
       r.verified = result.t_finished
       complete = (len(group.rollouts) == self.cfg.rl.group_size and
                   all(x.verifier_status != "pending" for x in group.rollouts))
-      drop = complete and self.cfg.verifier.on_error == "drop" and any(
-          x.verifier_status != "ok" for x in group.rollouts)
-      uniform = complete and not drop and self.policy.uniform(
-          [x.reward for x in group.rollouts])
-      hold = uniform and self.policy.sync  # decided when the round is complete
-      filtered = uniform and not hold and self._judge_uniform(group)
-      if complete:
-        del self._groups[gid]
-      if hold:
-        self._sync_uniform.append(group)
-      if drop:
-        self.outstanding.pop(gid, None)
-        self._new_drops.append(gid)
-        if self.policy.sync:
-          self.dropped[gid] = len(group.rollouts)
-          self._sync_dropped += 1
+      decision = self._decide(group) if complete else None
     self.acc.verified(result)
     if complete:
       self.acc.count("groups_completed")
+      self._carry_out(group, *decision)
+
+  def _decide(self, group: Group) -> tuple[bool, bool, bool]:
+    """A verified group's fate (under self.lock): (dropped for a verifier error, held
+    for the sync round's filtering, filtered); it leaves the groups being generated."""
+    drop = self.cfg.verifier.on_error == "drop" and any(
+        x.verifier_status != "ok" for x in group.rollouts)
+    uniform = not drop and self.policy.uniform([x.reward for x in group.rollouts])
+    hold = uniform and self.policy.sync  # decided when the round is complete
+    filtered = uniform and not hold and self._judge_uniform(group)
+    gid = group.group_id
+    del self._groups[gid]
+    if hold:
+      self._sync_uniform.append(group)
+    if drop:
+      self.outstanding.pop(gid, None)
+      self._new_drops.append(gid)
+      if self.policy.sync:
+        self.dropped[gid] = len(group.rollouts)
+        self._sync_dropped += 1
+    if not (drop or hold or filtered):
+      self._completing[gid] = group  # until it is queued (a checkpoint's cut sees it)
+    return drop, hold, filtered
+
+  def _carry_out(self, group: Group, drop: bool, hold: bool, filtered: bool) -> None:
     if drop:
       self.acc.dropped(group)
       self.queue.drop()
-    elif complete and not hold:
+    elif not hold:
       self._filter_or_queue(group, filtered)
 
   def _overlong_penalty(self, r) -> float:
@@ -437,6 +462,51 @@ class SamplerWorker:
         self.queue.admitted()
         self.queue.put(g)
 
+  def restore_in_flight(self, groups: list[Group], partial: dict[int, dict]) -> None:
+    """Groups a checkpoint carried that were being verified or generated (admitted and
+    counted before it), with the samples decoded partway (`partial`: group id ->
+    {sample index: (tokens, logprobs, versions)}). They count as in flight now; start()
+    submits their unverified rollouts to the verifiers again and gives the generator
+    their unfinished samples, which continue from their tokens."""
+    with self.lock:
+      for g in groups:
+        self.outstanding[g.group_id] = {"prompts": None, "rollouts": len(g.rollouts),
+                                        "index": g.index}
+        self._groups[g.group_id] = g
+        self._restored.append((g, partial.get(g.group_id, {})))
+    for _ in groups:
+      self.queue.admitted()
+
+  def _continue_restored(self) -> None:
+    restored, self._restored = self._restored, []
+    size = self.cfg.rl.group_size
+    for g, partial in restored:
+      for r in g.rollouts:
+        if r.verifier_status == "pending":
+          self._verify_again(g, r)
+      done = {r.sample_index for r in g.rollouts}
+      todo = [i for i in range(size) if i not in done]
+      if not todo and all(r.verifier_status != "pending" for r in g.rollouts):
+        # Verified before the cut, not yet queued: its fate is decided now.
+        with self.lock:
+          decision = self._decide(g)
+        self._carry_out(g, *decision)
+      elif todo:
+        self.generator.add_group(g.group_id, g.prompt_tokens, size,
+                                 seed=self.cfg.seed * 1_000_003 + g.group_id, samples=todo,
+                                 restored={i: v for i, v in partial.items() if i in todo})
+
+  def take_partial(self) -> dict[int, dict]:
+    """For a checkpoint, with the sampler thread paused or stopped: the samples decoded
+    partway (Generator.snapshot); rollouts that finished in the call on the device go on
+    to verification, as the sampler thread would send them."""
+    if self.generator is None:
+      return {}
+    partial, finished = self.generator.snapshot()
+    for r in finished:
+      self.on_rollout_finished(r)
+    return partial
+
   # -- weights -----------------------------------------------------------------------
 
   def stage(self, pub: Publication) -> None:
@@ -471,10 +541,15 @@ class SamplerWorker:
 
   def cut_state(self) -> dict:
     """The admission state of one moment: outstanding groups, prompt iterator state, next
-    group id, counts, the queued groups, the sync window and its dropped groups."""
+    group id, counts, the queued groups, the groups being generated or verified (copies),
+    the sync window and its dropped groups."""
     with self.lock, self.acc.lock:
+      # Copies: verifier callbacks go on scoring the live rollouts.
+      generating = [dataclasses.replace(g, rollouts=[dataclasses.replace(r) for r in g.rollouts])
+                    for g in [*self._groups.values(), *self._completing.values()]]
       return {"outstanding": {gid: dict(v) for gid, v in self.outstanding.items()},
               "prompts": self.prompts.get_state(), "next_gid": self.next_group_id,
               "counts": collections.Counter(self.acc.counts), "queued": self.queue.groups(),
+              "generating": generating,
               "sync_window": self.sync_window, "dropped": dict(self.dropped),
               "filtered": dict(self.filtered)}
