@@ -423,13 +423,24 @@ def test_queued_groups_round_trip_multi_turn_rollouts():
   assert back.rollouts[0].min_version == 4 and back.rollouts[0].staleness(6) == 2
 
 
+def _wait_mid_decode(worker):
+  """Returns once some sample is decoded partway (a condition, not a time window), so
+  that the preemption's cut falls in mid-decode even when the trainer is the slow side."""
+  for _ in range(20000):
+    with worker.paused():
+      if any(len(v[0]) for seqs in worker.take_partial().values() for v in seqs.values()):
+        return
+    time.sleep(0.005)
+  raise AssertionError("the sampler decoded no sample partway (20000 looks)")
+
+
 def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_flags=(),
                            before_resume=None):
   """An async run preempted (SIGTERM's path) after step `preempt_at` and resumed in
   the same process: (the resumed run's summary, the loop state of the checkpoint it
   resumed from, the groups and partial samples handed to the resumed sampler, and the
-  rollouts the resumed sampler finished). The sampler sleeps 20 ms per step, so the
-  trainer outpaces it and the cut falls while sequences are being decoded."""
+  rollouts the resumed sampler finished). The sampler sleeps 20 ms per step and the
+  preemption waits for a sample decoded partway, so the cut falls in mid-decode."""
   from rl_jax.orchestration.sampler_worker import SamplerWorker
   cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
                                   "--config.rl.total_steps=4", "--config.metrics.console=false",
@@ -445,6 +456,7 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
 
   def preempt(self, step, groups, tm, heldout):
     if seen["first"] and step == preempt_at:
+      _wait_mid_decode(self.worker)
       self._preempt.set()  # what SIGTERM's handler does
     return after_step(self, step, groups, tm, heldout)
 

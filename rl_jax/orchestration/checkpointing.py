@@ -168,7 +168,11 @@ class RunCheckpoints:
         config["lora_base"] = self._base_record()
       # Async: the sampler thread waits between two steps while the cut is taken, so the
       # sequences being decoded are read at one moment (the call on the device included).
-      with (p.worker.paused() if not p.policy.sync else contextlib.nullcontext()):
+      # Not across processes: the followers' samplers replay the leader's steps (a paused
+      # leader could wait on a step its followers have not run); no partial is read there.
+      from rl_jax.orchestration import multihost
+      pause = not p.policy.sync and not multihost.multi_process()
+      with (p.worker.paused() if pause else contextlib.nullcontext()):
         loop = self.loop_state(step)
       saved = self.checkpointer.save(
           step, params=p.state.params, opt_state=p.state.opt_state,

@@ -312,19 +312,22 @@ class SamplerWorker:
 
   # -- rollouts and verification -----------------------------------------------------
 
-  def on_rollout_finished(self, r) -> None:
+  def on_rollout_finished(self, r, verify: bool = True) -> None:
+    """A finished rollout joins its group, is counted, and goes to the verifiers (not
+    with `verify` False: a checkpoint after the pipeline stopped keeps it unverified)."""
+    verify = verify and self.pool is not None
     with self.lock:
       group = self._groups[r.group_id]
       group.rollouts.append(r)
       self.outstanding[r.group_id]["rollouts"] += 1
-      if self.pool is not None:
+      if verify:
         self._tick(time.monotonic())
         self._since = self._since if self.verifying else time.monotonic()
         self.verifying += 1
     calls = None if self.episodes is None else self.episodes.finished(r)
     self.acc.rollout_finished(r, tool_calls=calls)
     r.completion_text = self.tokenizer.decode(r.completion_tokens)
-    if self.pool is not None:
+    if verify:
       self.pool.submit((r.group_id, r.sample_index), group.example, r.completion_text,
                        callback=self._on_verified)
 
@@ -499,12 +502,13 @@ class SamplerWorker:
   def take_partial(self) -> dict[int, dict]:
     """For a checkpoint, with the sampler thread paused or stopped: the samples decoded
     partway (Generator.snapshot); rollouts that finished in the call on the device go on
-    to verification, as the sampler thread would send them."""
+    to verification as the sampler thread would send them (kept unverified once the
+    pipeline has stopped: they are verified after the resume)."""
     if self.generator is None:
       return {}
     partial, finished = self.generator.snapshot()
-    for r in finished:
-      self.on_rollout_finished(r)
+    for r in finished:  # after the pipeline stopped, kept unverified (verified on resume)
+      self.on_rollout_finished(r, verify=not self._stop.is_set())
     return partial
 
   # -- weights -----------------------------------------------------------------------

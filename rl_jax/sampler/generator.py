@@ -67,6 +67,7 @@ from rl_jax.sampler import engine as engine_lib
 from rl_jax.sampler import page_table as pt
 from rl_jax.sampler import paging
 from rl_jax.sampler import programs as programs_lib
+from rl_jax.sampler import restored as restored_lib
 from rl_jax.sampler import turns as turns_lib
 from rl_jax.sampler import updates
 from rl_jax.sampler.sequences import GroupState, InflightCall, SeqState
@@ -82,7 +83,7 @@ def _move_pools(src, dst):
   return src._replace(k_pages=None, v_pages=None), dst._replace(**pools)
 
 
-class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
+class Generator(paging.PagesMixin, turns_lib.TurnsMixin, restored_lib.RestoredMixin):
   """Turns groups (prompt, G, seed) into Rollouts with continuous batching."""
 
   def __init__(self, engine: engine_lib.Engine, params: Any, *, version: int = 0,
@@ -228,16 +229,7 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
     if not todo or not 0 <= todo[0] <= todo[-1] < num_samples:
       raise ValueError(f"samples of group {group_id} must be some of 0..{num_samples - 1}, "
                        f"got {todo}")
-    restored = {int(i): tuple(np.asarray(x).tolist() for x in v)
-                for i, v in (restored or {}).items()}
-    for i, (tokens, logprobs, versions) in restored.items():
-      if turn_end is not None or i not in todo:
-        raise ValueError(f"restored sample {i} of group {group_id}: only a sample still to "
-                         "produce, of a group without turn_end, continues from its tokens")
-      if not (1 <= len(tokens) < max_new and len(tokens) == len(logprobs) == len(versions)):
-        raise ValueError(f"restored sample {i} of group {group_id} has {len(tokens)} tokens "
-                         f"({len(logprobs)} log-probs, {len(versions)} versions); a sample "
-                         f"in flight has 1..{max_new - 1} of each")
+    restored = self._check_restored(group_id, restored, todo, turn_end, max_new)
     cached = prompt.shape[0] - 1
     num_full = cached // eng.page_size
     per_sample = pt.pages_for(cached + max_new, eng.page_size) - num_full
@@ -499,66 +491,6 @@ class Generator(paging.PagesMixin, turns_lib.TurnsMixin):
       self._pending.insert(entry)
     for g in exhausted:
       self._release_prefix(g)
-
-  @staticmethod
-  def _fresh(g: GroupState) -> list[int]:
-    """The group's waiting samples that start from the prompt (not restored ones)."""
-    if not g.restored:
-      return list(g.waiting) if g.waiting else []
-    return [i for i in g.waiting if i not in g.restored]
-
-  def _start_restored(self, free: list, reserve: int, inserts: list, extends: list) -> int:
-    """Start waiting samples restored mid-decode (add_group's `restored`), oldest group
-    first, while slots and pages last: each gets its own pages for the prompt, its
-    tokens so far and its next call; one extend writes their K/V, then its insert
-    continues from its last token. Returns `reserve` plus the pages they took."""
-    eng, alloc = self.engine, self.allocator
-    now = self._clock()
-    for g in self._groups:
-      for i in [i for i in g.waiting if g.restored and i in g.restored]:
-        tokens, logprobs, versions = g.restored[i]
-        cached = g.prompt.shape[0] - 1
-        length = cached + len(tokens)
-        need = pt.pages_for(min(length + eng.steps_per_call, cached + g.max_new_tokens),
-                            eng.page_size)
-        if not free or alloc.num_free < need + reserve:
-          return reserve  # first come, first served, as for new prompts
-        g.waiting.remove(i)
-        seq = SeqState(group=g, sample_index=i, slot=free.pop(),
-                       pages=[int(p) for p in alloc.allocate(need)], length=length,
-                       cache_limit=cached + g.max_new_tokens, tokens=list(tokens),
-                       logprobs=list(logprobs), versions=list(versions), first_token=now)
-        self._slots[seq.slot] = seq
-        g.running += 1
-        reserve += self._pages_short(seq)
-        # The cache holds every input but the next one: the prompt and the tokens so far
-        # but the last, which is the next decode input.
-        extends.append((np.concatenate([g.prompt, np.asarray(tokens[:-1], np.int32)]), 0,
-                        list(seq.pages)))
-        inserts.append(dict(
-            slot=seq.slot, pages=seq.pages, token=int(tokens[-1]), length=length,
-            max_new_tokens=g.max_new_tokens - len(tokens), stop_on_eos=g.stop_on_eos,
-            seed=g.seed, sample_index=i, sampling=g.sampling))
-    return reserve
-
-  def snapshot(self) -> tuple[dict[int, dict[int, tuple]], list[Rollout]]:
-    """What a checkpoint keeps of the RL groups (ids >= 0) in this generator: group id ->
-    {sample index: (tokens, logprobs, versions)} of each sample decoded partway (running,
-    or restored and still waiting), and the rollouts that finished but that step() has
-    not returned yet, handed to the caller (removed here). Reads the generate call on
-    the device first, so no decoded token is left out. Sampler thread (or paused)."""
-    self._held += self._collect()
-    finished = [r for r in self._held if r.group_id >= 0]
-    self._held = [r for r in self._held if r.group_id < 0]
-    out: dict[int, dict[int, tuple]] = {}
-    for g in self._groups:
-      if g.group_id >= 0:
-        out[g.group_id] = {i: g.restored[i] for i in g.waiting if g.restored and i in g.restored}
-    for seq in self._slots:
-      if seq is not None and seq.group.group_id >= 0 and seq.turn is None and seq.tokens:
-        out[seq.group.group_id][seq.sample_index] = (
-            list(seq.tokens), list(seq.logprobs), list(seq.versions))
-    return out, finished
 
   def _consume(self, out: engine_lib.StepOutput, version: int, busy) -> list[Rollout]:
     """Append the tokens of one call to its busy sequences, busy = [(slot, sequence,
