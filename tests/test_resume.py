@@ -464,10 +464,10 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
     seen["restored"] = (list(groups), dict(partial))
     return restore_in_flight(self, groups, partial)
 
-  def record(self, r):
+  def record(self, r, verify=True):
     if not seen["first"]:
       seen["rollouts"].append(r)
-    return finished(self, r)
+    return finished(self, r, verify)
   monkeypatch.setattr(SamplerWorker, "step_once", slow_step)
   monkeypatch.setattr(loop.Pipeline, "_after_step", preempt)
   monkeypatch.setattr(SamplerWorker, "restore_in_flight", restore)
