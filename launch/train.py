@@ -51,14 +51,16 @@ def _main(argv):
     print(f"done: process {summary['process_index']} followed process 0 for "
           f"{summary['optimizer_steps']} optimizer steps", flush=True)
     return 0
-  lost = summary["groups_lost_on_resume"]
+  resumed = (f"; {summary['groups_lost_on_resume']} groups lost on resume "
+             f"({summary['sampler_tokens_lost_on_resume']} sampled tokens)"
+             if summary["resumes"] else "")
   tools = ""
   if "heldout_tool_call_rate_final" in summary:
     tools = (f"; held-out tool-call rate {summary['heldout_tool_call_rate_initial']:.3f} -> "
              f"{summary['heldout_tool_call_rate_final']:.3f}")
   print(f"done: held-out reward {summary['heldout_reward_initial']:.3f} -> "
         f"{summary['heldout_reward_final']:.3f} in {summary['wall_time_s']:.0f}s{tools}"
-        f"{f'; {lost} groups lost on resume' if summary['resumes'] else ''}; "
+        f"{resumed}; "
         f"summary in {os.path.join(args.workdir, 'summary.json')}")
   return 0
 
