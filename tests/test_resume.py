@@ -424,13 +424,18 @@ def test_queued_groups_round_trip_multi_turn_rollouts():
 
 
 def _wait_mid_decode(worker):
-  """Returns once some sample is decoded partway (a condition, not a time window), so
-  that the preemption's cut falls in mid-decode even when the trainer is the slow side."""
+  """Returns once some sample is decoded partway (a condition, not a time window), with
+  the sampler thread left paused (the next pause's end, the checkpoint's or an
+  evaluation's, lets it go on), so that the cut falls in mid-decode even when the trainer
+  is the slow side."""
   for _ in range(20000):
-    with worker.paused():
-      if any(len(v[0]) for seqs in worker.take_partial().values() for v in seqs.values()):
-        return
-    time.sleep(0.005)
+    worker._pause.set()
+    while not worker._paused.is_set() and worker._thread.is_alive():
+      time.sleep(0.001)
+    if any(len(v[0]) for seqs in worker.take_partial().values() for v in seqs.values()):
+      return
+    worker._pause.clear()
+    time.sleep(0.02)  # the sampler thread sees the pause end and steps
   raise AssertionError("the sampler decoded no sample partway (20000 looks)")
 
 
@@ -543,6 +548,42 @@ def test_rollouts_off_loses_the_groups_in_flight_and_counts_their_tokens(tmp_pat
   assert resume["groups_lost"] == len(state["lost_group_ids"]) > 0
   assert resume["tokens_lost"] == state["lost_tokens"] > 0
   assert summary["sampler_tokens_lost_on_resume"] == resume["tokens_lost"]
+  _accounting_holds(summary, lost=resume["groups_lost"])
+
+
+def test_rollouts_queued_keeps_the_verified_groups_and_loses_the_decoding_ones(tmp_path,
+                                                                              monkeypatch):
+  """checkpoint.rollouts=queued: the cut keeps the queued groups and the groups whose
+  samples have all finished; a group with a sample decoded partway (as the checkpoint's
+  own read of the generator saw it) is lost, with its tokens counted."""
+  from rl_jax.orchestration import checkpointing
+  from rl_jax.orchestration.sampler_worker import SamplerWorker
+  from rl_jax.tasks import make_task
+  take, reads = SamplerWorker.take_partial, []
+
+  def recorded(self):
+    reads.append(take(self))
+    return reads[-1]
+  monkeypatch.setattr(SamplerWorker, "take_partial", recorded)
+  marks = []
+  # Preempted after step 3 (not evaluated): the sampler stays paused from the wait to
+  # the checkpoint's read.
+  summary, state, restored, _ = _preempted_and_resumed(
+      tmp_path, monkeypatch, "--config.checkpoint.rollouts=queued", preempt_at=3,
+      before_resume=lambda cfg: marks.append(len(reads)))
+  at_cut = reads[marks[0] - 1]  # the preemption checkpoint's read
+  decoding = {g for g, seqs in at_cut.items() if seqs}
+  carried, partial = checkpointing.unpack(state["inflight_groups"], make_task(
+      config_lib.parse_args(TINY)[0].task))
+  assert partial == {} and restored[1] == {}
+  assert all(len(g.rollouts) == 4 for g in carried)  # rl.group_size
+  assert decoding and decoding <= set(state["lost_group_ids"])
+  assert not decoding & {g.group_id for g in carried}
+  assert state["lost_tokens"] >= sum(len(v[0]) for g in decoding for v in at_cut[g].values())
+  (resume,) = summary["resumes"]
+  assert resume["groups_lost"] == len(state["lost_group_ids"])
+  assert resume["tokens_lost"] == state["lost_tokens"] == summary["sampler_tokens_lost_on_resume"]
+  assert resume["groups_continued"] == len(carried)
   _accounting_holds(summary, lost=resume["groups_lost"])
 
 
