@@ -138,9 +138,10 @@ def _rl(c) -> None:
   c.rl.max_staleness = 2  # policy versions; staleness = trainer_version - min(token_versions)
   c.rl.max_inflight_groups = -1  # -1: (max_staleness + 1) * groups_per_step
   c.rl.queue_maxsize = 64  # eligible groups
-  # Which queued group the trainer takes first (async): fifo (arrival) | oldest_version
-  # (the group sampled by the oldest policy version first, ties by arrival).
-  c.rl.queue_order = "fifo"
+  # Which queued group the trainer takes first (async): oldest_version (the group sampled
+  # by the oldest policy version first, ties by arrival) | fifo (arrival order).
+  # docs/live_control.md#queue-order has the measurements behind the default.
+  c.rl.queue_order = "oldest_version"
   c.rl.weight_sync_every = 1  # optimizer steps between publications
   c.rl.inflight_weight_updates = True
   c.rl.eval_every = 10  # optimizer steps between held-out evaluations; 0: only at start/end
