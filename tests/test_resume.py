@@ -423,24 +423,28 @@ def test_queued_groups_round_trip_multi_turn_rollouts():
   assert back.rollouts[0].min_version == 4 and back.rollouts[0].staleness(6) == 2
 
 
-def _wait_mid_decode(worker):
-  """Returns once some sample is decoded partway (a condition, not a time window), with
-  the sampler thread left paused (the next pause's end, the checkpoint's or an
-  evaluation's, lets it go on), so that the cut falls in mid-decode even when the trainer
-  is the slow side."""
+def _wait_mid_decode(worker, ready=None) -> bool:
+  """Waits until some sample is decoded partway (a condition, not a time window), then
+  returns `ready(partial)` at that look (True without `ready`). When it holds, the sampler
+  thread is left paused (the next pause's end, the checkpoint's or an evaluation's, lets
+  it go on), so that the cut sees that moment even when the trainer is the slow side."""
   for _ in range(20000):
     worker._pause.set()
     while not worker._paused.is_set() and worker._thread.is_alive():
       time.sleep(0.001)
-    if any(len(v[0]) for seqs in worker.take_partial().values() for v in seqs.values()):
-      return
+    partial = worker.take_partial()
+    if any(len(v[0]) for seqs in partial.values() for v in seqs.values()):
+      if ready is None or ready(partial):
+        return True
+      worker._pause.clear()
+      return False
     worker._pause.clear()
     time.sleep(0.02)  # the sampler thread sees the pause end and steps
   raise AssertionError("the sampler decoded no sample partway (20000 looks)")
 
 
 def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_flags=(),
-                           before_resume=None):
+                           before_resume=None, ready=None):
   """An async run preempted (SIGTERM's path) after step `preempt_at` and resumed in
   the same process: (the resumed run's summary, the loop state of the checkpoint it
   resumed from, the groups and partial samples handed to the resumed sampler, and the
@@ -453,15 +457,24 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
   config_lib.validate(cfg)
   step_once, after_step = SamplerWorker.step_once, loop.Pipeline._after_step
   restore_in_flight, finished = SamplerWorker.restore_in_flight, SamplerWorker.on_rollout_finished
-  seen = {"restored": None, "rollouts": [], "first": True}
+  seen = {"restored": None, "rollouts": [], "first": True, "step": None}
 
   def slow_step(self):
     time.sleep(0.02)
     return step_once(self)
 
   def preempt(self, step, groups, tm, heldout):
-    if seen["first"] and step == preempt_at:
-      _wait_mid_decode(self.worker)
+    # With `ready(pipeline, partial)`: the first step from preempt_at on, before the last
+    # and not evaluated (the sampler stays paused up to the cut), at which it holds.
+    if ready is None:
+      due = step == preempt_at
+    else:
+      every = self.cfg.rl.eval_every
+      due = (seen["step"] is None and preempt_at <= step < self.cfg.rl.total_steps and
+             not (every and step % every == 0))
+    if seen["first"] and due and _wait_mid_decode(
+        self.worker, None if ready is None else lambda partial: ready(self, partial)):
+      seen["step"] = step
       self._preempt.set()  # what SIGTERM's handler does
     return after_step(self, step, groups, tm, heldout)
 
@@ -486,7 +499,7 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
                                   "--config.rl.total_steps=4", "--config.metrics.console=false",
                                   *flags, *resume_flags])
   summary = loop.Pipeline(cfg, str(tmp_path)).run()
-  state = ck.Checkpointer(str(tmp_path), read_only=True).read_json(preempt_at, "loop")
+  state = ck.Checkpointer(str(tmp_path), read_only=True).read_json(seen["step"], "loop")
   return summary, state, seen["restored"], seen["rollouts"]
 
 
@@ -557,21 +570,26 @@ def test_rollouts_queued_keeps_the_verified_groups_and_loses_the_decoding_ones(t
   samples have all finished; a group with a sample decoded partway (as the checkpoint's
   own read of the generator saw it) is lost, with its tokens counted."""
   from rl_jax.orchestration import checkpointing
+  from rl_jax.orchestration.checkpointing import RunCheckpoints
   from rl_jax.orchestration.sampler_worker import SamplerWorker
   from rl_jax.tasks import make_task
-  take, reads = SamplerWorker.take_partial, []
+  take, loop_state, reads, cuts = SamplerWorker.take_partial, RunCheckpoints.loop_state, [], []
 
   def recorded(self):
     reads.append(take(self))
     return reads[-1]
+
+  def cut(self, step):
+    state = loop_state(self, step)
+    cuts.append((step, reads[-1]))  # the generator as this checkpoint read it
+    return state
   monkeypatch.setattr(SamplerWorker, "take_partial", recorded)
-  marks = []
+  monkeypatch.setattr(RunCheckpoints, "loop_state", cut)
   # Preempted after step 3 (not evaluated): the sampler stays paused from the wait to
-  # the checkpoint's read.
+  # the checkpoint's read. (The exit path computes the cut again; the first one is saved.)
   summary, state, restored, _ = _preempted_and_resumed(
-      tmp_path, monkeypatch, "--config.checkpoint.rollouts=queued", preempt_at=3,
-      before_resume=lambda cfg: marks.append(len(reads)))
-  at_cut = reads[marks[0] - 1]  # the preemption checkpoint's read
+      tmp_path, monkeypatch, "--config.checkpoint.rollouts=queued", preempt_at=3)
+  at_cut = next(partial for step, partial in cuts if step == 3)
   decoding = {g for g, seqs in at_cut.items() if seqs}
   carried, partial = checkpointing.unpack(state["inflight_groups"], make_task(
       config_lib.parse_args(TINY)[0].task))
@@ -593,8 +611,16 @@ def test_the_staleness_rule_decides_for_the_groups_in_flight_on_resume(tmp_path,
   not generated to the end; the others continue."""
   from rl_jax.orchestration import checkpointing
   from rl_jax.tasks import make_task
+  def holds_older_tokens(pipeline, partial):
+    """Some group in flight holds a token older than the trainer's version."""
+    v = pipeline.version
+    return (any(len(x[2]) and min(x[2]) < v for seqs in partial.values() for x in seqs.values())
+            or any(r.num_tokens and r.min_version < v
+                   for g in pipeline.worker.cut_state()["generating"] for r in g.rollouts))
+  # Preempted at the first step from 3 on whose cut holds such a group.
   summary, state, restored, _ = _preempted_and_resumed(
-      tmp_path, monkeypatch, resume_flags=("--config.rl.max_staleness=0",))
+      tmp_path, monkeypatch, "--config.rl.total_steps=8", preempt_at=3,
+      resume_flags=("--config.rl.max_staleness=0",), ready=holds_older_tokens)
   saved, partial = checkpointing.unpack(state["inflight_groups"], make_task(
       config_lib.parse_args(TINY)[0].task))
   oldest = {g.group_id: checkpointing._oldest_version(g, partial) for g in saved}
