@@ -44,6 +44,9 @@ and `end_episode(...)` finishes it. Contract notes: `Turn` lives in turns.py (im
 here); `num_parked` counts resuming sequences (observation given, no slot yet) too;
 rollouts of turn_end groups always carry model_mask (all True when no observation).
 
+Resuming from a checkpoint (restored.py): add_group's `samples` and `restored` continue
+samples decoded partway before it; `snapshot()` reads the samples in flight for one.
+
 Weight updates: `update_params(params, version)` (and `set_slot_limit`) are the methods
 safe to call from another thread; it stores the weights in a pending slot that the sampler thread swaps
 in at the top of its next `step()` (the latest call wins). With inflight weight updates
