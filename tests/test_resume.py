@@ -426,8 +426,8 @@ def test_queued_groups_round_trip_multi_turn_rollouts():
 def _wait_mid_decode(worker, ready=None) -> bool:
   """Waits until some sample is decoded partway (a condition, not a time window), then
   returns `ready(partial)` at that look (True without `ready`). When it holds, the sampler
-  thread is left paused (the next pause's end, the checkpoint's or an evaluation's, lets
-  it go on), so that the cut sees that moment even when the trainer is the slow side."""
+  thread is left paused (the end of the checkpoint's own pause lets it go on), so that the
+  cut sees that moment even when the trainer is the slow side."""
   for _ in range(20000):
     worker._pause.set()
     while not worker._paused.is_set() and worker._thread.is_alive():
@@ -450,12 +450,13 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
   resumed from, the groups and partial samples handed to the resumed sampler, and the
   rollouts the resumed sampler finished). The sampler sleeps 20 ms per step and the
   preemption waits for a sample decoded partway, so the cut falls in mid-decode."""
+  from rl_jax.orchestration.checkpointing import RunCheckpoints
   from rl_jax.orchestration.sampler_worker import SamplerWorker
   cfg, _ = config_lib.parse_args([*TINY, "--config.rl.mode=async", "--config.warmstart.steps=0",
                                   "--config.rl.total_steps=4", "--config.metrics.console=false",
                                   *flags])
   config_lib.validate(cfg)
-  step_once, after_step = SamplerWorker.step_once, loop.Pipeline._after_step
+  step_once, save = SamplerWorker.step_once, RunCheckpoints.save
   restore_in_flight, finished = SamplerWorker.restore_in_flight, SamplerWorker.on_rollout_finished
   seen = {"restored": None, "rollouts": [], "first": True, "step": None}
 
@@ -463,20 +464,17 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
     time.sleep(0.02)
     return step_once(self)
 
-  def preempt(self, step, groups, tm, heldout):
-    # With `ready(pipeline, partial)`: the first step from preempt_at on, before the last
-    # and not evaluated (the sampler stays paused up to the cut), at which it holds.
-    if ready is None:
-      due = step == preempt_at
-    else:
-      every = self.cfg.rl.eval_every
-      due = (seen["step"] is None and preempt_at <= step < self.cfg.rl.total_steps and
-             not (every and step % every == 0))
-    if seen["first"] and due and _wait_mid_decode(
-        self.worker, None if ready is None else lambda partial: ready(self, partial)):
+  def preempt(self, step, **kw):
+    # Right before the checkpoint's own pause (after any evaluation, whose pause would let
+    # the sampler go on): at preempt_at, or with `ready(pipeline, partial)` the first
+    # step from preempt_at on, before the last, at which it holds.
+    p = self.p
+    due = (step == preempt_at if ready is None else preempt_at <= step < p.cfg.rl.total_steps)
+    if seen["first"] and seen["step"] is None and due and _wait_mid_decode(
+        p.worker, None if ready is None else lambda partial: ready(p, partial)):
       seen["step"] = step
-      self._preempt.set()  # what SIGTERM's handler does
-    return after_step(self, step, groups, tm, heldout)
+      p._preempt.set()  # what SIGTERM's handler does
+    return save(self, step, **kw)
 
   def restore(self, groups, partial):
     seen["restored"] = (list(groups), dict(partial))
@@ -487,7 +485,7 @@ def _preempted_and_resumed(tmp_path, monkeypatch, *flags, preempt_at=2, resume_f
       seen["rollouts"].append(r)
     return finished(self, r, verify)
   monkeypatch.setattr(SamplerWorker, "step_once", slow_step)
-  monkeypatch.setattr(loop.Pipeline, "_after_step", preempt)
+  monkeypatch.setattr(RunCheckpoints, "save", preempt)
   monkeypatch.setattr(SamplerWorker, "restore_in_flight", restore)
   monkeypatch.setattr(SamplerWorker, "on_rollout_finished", record)
   with pytest.raises(loop.Preempted):
