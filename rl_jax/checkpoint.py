@@ -329,11 +329,9 @@ class Checkpointer:
     (that one is replaced). The arrays are copied off the device before this returns, so
     the caller may donate them right after. SaveError when this or the previous
     background write fails."""
-    self._guarded(self._manager.wait_until_finished, step)
-    self._promote()
-    if step in self._manager.all_steps():
-      if step not in self._unusable:
-        return False
+    if self.saved(step):
+      return False
+    if step in self._manager.all_steps():  # one a restore found unusable
       self._manager.delete(step)
       self._unusable.discard(step)
     arrays = {"params": params, "opt_state": opt_state}
@@ -356,6 +354,13 @@ class Checkpointer:
       self._guarded(self._manager.wait_until_finished, step)
       self._promote()
     return True
+
+  def saved(self, step: int) -> bool:
+    """Whether `step` is saved and usable, once the write in flight has finished
+    (SaveError when that write failed)."""
+    self._guarded(self._manager.wait_until_finished, step)
+    self._promote()
+    return step in self._manager.all_steps() and step not in self._unusable
 
   def read_json(self, step: int, item: str) -> dict:
     """One JSON item (`loop` or `config`) of a step."""

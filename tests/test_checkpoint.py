@@ -207,8 +207,9 @@ def test_corrupt_newest_step_is_replaced_when_saved_again(tmp_path, saved_run):
   checkpointer = ck.Checkpointer(workdir, cfg.checkpoint)
   state = trainer.init_state(rng=jax.random.key(7))
   assert _restore(checkpointer, state, warn=lambda _: None).step == 1
+  assert checkpointer.saved(1) and not checkpointer.saved(2) and not checkpointer.saved(3)
   _save(checkpointer, 2, state, cfg, model_cfg)
-  assert checkpointer.last_committed_step() == 2
+  assert checkpointer.last_committed_step() == 2 and checkpointer.saved(2)
   checkpointer.close()
   restored = _restore(ck.Checkpointer(workdir, cfg.checkpoint), state, warn=pytest.fail)
   assert restored.step == 2

@@ -583,11 +583,11 @@ def test_rollouts_queued_keeps_the_verified_groups_and_loses_the_decoding_ones(t
     return state
   monkeypatch.setattr(SamplerWorker, "take_partial", recorded)
   monkeypatch.setattr(RunCheckpoints, "loop_state", cut)
-  # Preempted after step 3 (not evaluated): the sampler stays paused from the wait to
-  # the checkpoint's read. (The exit path computes the cut again; the first one is saved.)
+  # Preempted after step 3: the sampler stays paused from the wait to the checkpoint's
+  # read. The exit path's save finds step 3 saved and computes no second cut.
   summary, state, restored, _ = _preempted_and_resumed(
       tmp_path, monkeypatch, "--config.checkpoint.rollouts=queued", preempt_at=3)
-  at_cut = next(partial for step, partial in cuts if step == 3)
+  (at_cut,) = [partial for step, partial in cuts if step == 3]
   decoding = {g for g, seqs in at_cut.items() if seqs}
   carried, partial = checkpointing.unpack(state["inflight_groups"], make_task(
       config_lib.parse_args(TINY)[0].task))

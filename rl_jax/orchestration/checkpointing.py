@@ -163,6 +163,9 @@ class RunCheckpoints:
       return False
     t0 = time.perf_counter()
     with p.schedule.event("save", step=step, heldout=heldout, wait=wait):
+      if self.checkpointer.saved(step):  # e.g. the exit path after this step's save
+        p.acc.checkpoint_blocking_s += time.perf_counter() - t0
+        return False
       config = {"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)}
       if p.trainer.lora:
         config["lora_base"] = self._base_record()
