@@ -163,27 +163,30 @@ class RunCheckpoints:
       return False
     t0 = time.perf_counter()
     with p.schedule.event("save", step=step, heldout=heldout, wait=wait):
-      if self.checkpointer.saved(step):  # e.g. the exit path after this step's save
-        p.acc.checkpoint_blocking_s += time.perf_counter() - t0
-        return False
-      config = {"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)}
-      if p.trainer.lora:
-        config["lora_base"] = self._base_record()
-      # Async: the sampler thread waits between two steps while the cut is taken, so the
-      # sequences being decoded are read at one moment (the call on the device included).
-      # Not across processes: the followers' samplers replay the leader's steps (a paused
-      # leader could wait on a step its followers have not run); no partial is read there.
-      from rl_jax.orchestration import multihost
-      pause = not p.policy.sync and not multihost.multi_process()
-      with (p.worker.paused() if pause else contextlib.nullcontext()):
-        loop = self.loop_state(step)
-      saved = self.checkpointer.save(
-          step, params=p.state.params, opt_state=p.state.opt_state,
-          # () when there is none: kl_beta = 0, or LoRA (the reference is the base).
-          ref_params=p.trainer.ref_params or None,
-          loop=loop, heldout=heldout, wait=wait, config=config)
+      # A step already saved (the exit path after this step's save) is not cut again.
+      saved = not self.checkpointer.saved(step) and self._write(step, heldout, wait)
     p.acc.checkpoint_blocking_s += time.perf_counter() - t0
     return saved
+
+  def _write(self, step: int, heldout: float | None, wait: bool) -> bool:
+    """save()'s body: the config and loop items, the cut and the arrays."""
+    p = self.p
+    config = {"run": p.cfg.to_dict(), "model": dataclasses.asdict(p.model_cfg)}
+    if p.trainer.lora:
+      config["lora_base"] = self._base_record()
+    # Async: the sampler thread waits between two steps while the cut is taken, so the
+    # sequences being decoded are read at one moment (the call on the device included).
+    # Not across processes: the followers' samplers replay the leader's steps (a paused
+    # leader could wait on a step its followers have not run); no partial is read there.
+    from rl_jax.orchestration import multihost
+    pause = not p.policy.sync and not multihost.multi_process()
+    with (p.worker.paused() if pause else contextlib.nullcontext()):
+      loop = self.loop_state(step)
+    return self.checkpointer.save(
+        step, params=p.state.params, opt_state=p.state.opt_state,
+        # () when there is none: kl_beta = 0, or LoRA (the reference is the base).
+        ref_params=p.trainer.ref_params or None,
+        loop=loop, heldout=heldout, wait=wait, config=config)
 
   def _base_record(self) -> dict:
     """The LoRA base's source and fingerprint (computed once); a base the run made
